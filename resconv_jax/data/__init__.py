@@ -1,0 +1,1 @@
+"""Data sets: synthetic theory data, Jena Climate, and their tfds builders."""

@@ -1,0 +1,1 @@
+"""Models: the paper's residual Transformer."""

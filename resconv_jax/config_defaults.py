@@ -1,0 +1,65 @@
+"""The full set of config fields with their defaults; every config in configs/ starts here.
+
+Fields are documented where they are defined. Configs override values, never add keys, so an
+unknown key on the command line (`--config.optim.lrr=...`) is an error.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """Default config: a small synthetic theory problem, one run."""
+    c = ml_collections.ConfigDict()
+    c.task = "train"  # "train", or "rank_collapse" (spectra at initialization only)
+    c.seed = 0  # parameter-initialization seed (per run: see sweep.seed)
+
+    c.model = ml_collections.ConfigDict()
+    c.model.d_qk = 8  # query/key width d_QK
+    c.model.d_h = 32  # MLP hidden width d_h
+    c.model.num_layers = 1  # number of blocks L under the one head
+    c.model.qk_init = "1/d"  # W_Q, W_K entry variance: "1/d" or "1/d_qk" (times qk_scale²)
+    c.model.qk_scale = 1.0  # init scale of W_Q, W_K
+    c.model.v_scale = 1.0  # init scale of W_V (variance scale²/d)
+    c.model.mlp_scale = 1.0  # init scale of W_1 (scale²/d), W_2 (scale²/d_h)
+    c.model.head_scale = 1.0  # init scale of W_U (scale²/d)
+    c.model.beta_attn = 1.0  # β_a: Z = Attn(X) + β_a X (the paper: 1; "no residual": 0)
+    c.model.beta_ffn = 1.0  # β_f: H = relu(Z W_1) W_2 + β_f Z
+
+    c.data = ml_collections.ConfigDict()
+    c.data.name = "synthetic"  # "synthetic" or "jena"
+    c.data.num_samples = 8  # P
+    c.data.seq_len = 8  # M
+    c.data.dim = 64  # d (the theory regime wants d >= P*M)
+    c.data.out_dim = 1  # d_y
+    c.data.target = "gaussian"  # "gaussian" targets, or "teacher" (random same-architecture model)
+    c.data.seed = 0  # data seed (shared by every run of a sweep)
+    c.data.teacher_seed = 1  # parameter seed of the teacher
+
+    c.optim = ml_collections.ConfigDict()
+    c.optim.name = "sgd"  # "sgd" (plain GD, the paper), or ablations "momentum", "adam"
+    c.optim.lr = 1e-3  # step size η (per run: see sweep.lr)
+    c.optim.momentum = 0.9  # for name="momentum"
+    c.optim.reduction = "sum"  # "sum": ½Σ_p‖F(X_p)−Y_p‖² (the paper); "mean": ½·mean of squares
+
+    c.train = ml_collections.ConfigDict()
+    c.train.num_steps = 200  # GD steps
+    c.train.log_every = 10  # steps between metrics lines (steps run on device in between)
+    c.train.print_every = 50  # steps between progress lines (a multiple of log_every)
+    c.train.checkpoint_every = 100  # steps between checkpoints (a multiple of log_every)
+    c.train.keep_checkpoints = 3  # how many recent checkpoints to keep
+    c.train.async_checkpoints = True  # write checkpoints in the background
+
+    c.sweep = ml_collections.ConfigDict()
+    # Runs are the product of the non-empty lists below; an empty list uses the single value above.
+    c.sweep.beta = ()  # values of β applied to both residuals (excludes beta_attn/beta_ffn)
+    c.sweep.beta_attn = ()  # values of β_a
+    c.sweep.beta_ffn = ()  # values of β_f
+    c.sweep.seed = ()  # initialization seeds
+    c.sweep.lr = ()  # step sizes
+
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.sweep = 0  # devices on the 'sweep' (runs) axis; 0: the largest that divides the runs
+    c.mesh.data = 0  # devices on the 'data' (samples) axis; 0: the largest that divides P
+    return c

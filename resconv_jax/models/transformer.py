@@ -1,0 +1,135 @@
+"""The paper's Transformer: single-head softmax attention and a ReLU MLP, with scaled residuals.
+
+For one sample X (M tokens × width d), block l computes (no biases, no LayerNorm, no mask):
+
+    S    = softmax_rows(X W_Q W_Kᵀ Xᵀ / sqrt(d_QK))       (M × M)
+    A    = S X W_V                                        Attn(X), (M × d)
+    Z    = A + β_a X                                      attention output matrix
+    H    = relu(Z W_1) W_2 + β_f Z
+
+and a stack of L blocks is read out by one head, F = H^{(L)} W_U (M × d_y).
+
+The residual coefficients β_a, β_f are call arguments, not parameters: a sweep over β runs one
+program whose runs share the parameter structure, and the same seed gives the same weights for
+every β.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Sizes and initialization of the Transformer.
+
+    Each weight has Gaussian entries of variance `scale² / fan_in`, with one scale per group;
+    W_Q and W_K use fan_in = d (`qk_init="1/d"`) or d_QK (`qk_init="1/d_qk"`).
+    """
+
+    d: int  # embedding width
+    d_qk: int  # query/key width
+    d_h: int  # MLP hidden width
+    d_y: int  # output width
+    num_layers: int = 1
+    qk_init: Literal["1/d", "1/d_qk"] = "1/d"
+    qk_scale: float = 1.0
+    v_scale: float = 1.0
+    mlp_scale: float = 1.0
+    head_scale: float = 1.0
+
+
+def model_config(model_cfg, *, d: int, d_y: int) -> ModelConfig:
+    """`ModelConfig` from the `config.model` section, with widths d and d_y taken from the data."""
+    return ModelConfig(
+        d=d,
+        d_qk=model_cfg.d_qk,
+        d_h=model_cfg.d_h,
+        d_y=d_y,
+        num_layers=model_cfg.num_layers,
+        qk_init=model_cfg.qk_init,
+        qk_scale=model_cfg.qk_scale,
+        v_scale=model_cfg.v_scale,
+        mlp_scale=model_cfg.mlp_scale,
+        head_scale=model_cfg.head_scale,
+    )
+
+
+def _gaussian(key: jax.Array, shape: tuple[int, int], scale: float, fan_in: int) -> nnx.Param:
+    return nnx.Param(scale * jax.random.normal(key, shape) / jnp.sqrt(fan_in))
+
+
+class Block(nnx.Module):
+    """One attention + MLP block with residual coefficients β_a and β_f."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        qk_fan_in = cfg.d if cfg.qk_init == "1/d" else cfg.d_qk
+        self.w_q = _gaussian(rngs.params(), (cfg.d, cfg.d_qk), cfg.qk_scale, qk_fan_in)
+        self.w_k = _gaussian(rngs.params(), (cfg.d, cfg.d_qk), cfg.qk_scale, qk_fan_in)
+        self.w_v = _gaussian(rngs.params(), (cfg.d, cfg.d), cfg.v_scale, cfg.d)
+        self.w_1 = _gaussian(rngs.params(), (cfg.d, cfg.d_h), cfg.mlp_scale, cfg.d)
+        self.w_2 = _gaussian(rngs.params(), (cfg.d_h, cfg.d), cfg.mlp_scale, cfg.d_h)
+
+    def attention(self, x: jax.Array) -> jax.Array:
+        """Attn(X) for a batch: (P, M, d) -> (P, M, d)."""
+        q = x @ self.w_q[...]
+        k = x @ self.w_k[...]
+        logits = jnp.einsum("pmk,pnk->pmn", q, k) / jnp.sqrt(q.shape[-1]).astype(x.dtype)
+        return jax.nn.softmax(logits, axis=-1) @ (x @ self.w_v[...])
+
+    def __call__(
+        self, x: jax.Array, beta_attn: jax.Array, beta_ffn: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(P, M, d) -> (H, Attn(X), Z), each (P, M, d)."""
+        attn = self.attention(x)
+        z = attn + beta_attn * x
+        h = jax.nn.relu(z @ self.w_1[...]) @ self.w_2[...] + beta_ffn * z
+        return h, attn, z
+
+
+class Transformer(nnx.Module):
+    """L blocks under one linear head W_U (d × d_y)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.w_u = _gaussian(rngs.params(), (cfg.d, cfg.d_y), cfg.head_scale, cfg.d)
+
+    def __call__(
+        self,
+        x: jax.Array,
+        beta_attn: jax.Array | float = 1.0,
+        beta_ffn: jax.Array | float = 1.0,
+        *,
+        return_intermediates: bool = False,
+    ) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
+        """F(X) for a batch: (P, M, d) -> (P, M, d_y).
+
+        With `return_intermediates`, also returns {"attn": Attn(X), "z": Z}, each stacked over
+        layers as (L, P, M, d), from the same forward pass.
+        """
+        attns, zs = [], []
+        h = x
+        for block in self.blocks:
+            h, attn, z = block(h, beta_attn, beta_ffn)
+            attns.append(attn)
+            zs.append(z)
+        out = h @ self.w_u[...]
+        if return_intermediates:
+            return out, {"attn": jnp.stack(attns), "z": jnp.stack(zs)}
+        return out
+
+
+def init_params(cfg: ModelConfig, seed: int) -> tuple[nnx.GraphDef, dict]:
+    """The model's graph definition and its parameters as a plain nested dict, for `seed`."""
+    graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(params=seed)))
+    return graphdef, nnx.to_pure_dict(state)
+
+
+def apply(graphdef: nnx.GraphDef, params: dict, x: jax.Array, beta_attn, beta_ffn, **kwargs):
+    """Pure forward pass of `Transformer.__call__` from a parameter dict."""
+    return nnx.merge(graphdef, params)(x, beta_attn, beta_ffn, **kwargs)

@@ -1,0 +1,103 @@
+"""Pure training functions: the GD step of one run, vmapped over the runs of a sweep, and a loop of
+steps that runs on device between log steps.
+
+A train state is `{"params": ..., "opt_state": ...}` with a leading run axis R on every leaf.
+Per-run settings that are not trained (β_a, β_f) travel as `hparams`, arrays of shape (R,); the
+step size lives in the optimizer state (`optax.inject_hyperparams`), so it can differ per run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from resconv_jax.models import transformer
+
+
+def make_optimizer(optim_cfg) -> optax.GradientTransformation:
+    """Plain GD (`optax.sgd`), or the momentum / Adam ablations, with the step size in the state."""
+    if optim_cfg.name == "sgd":
+        return optax.inject_hyperparams(optax.sgd)(learning_rate=optim_cfg.lr)
+    if optim_cfg.name == "momentum":
+        return optax.inject_hyperparams(optax.sgd)(
+            learning_rate=optim_cfg.lr, momentum=optim_cfg.momentum
+        )
+    return optax.inject_hyperparams(optax.adam)(learning_rate=optim_cfg.lr)
+
+
+def init_opt_state(optimizer: optax.GradientTransformation, params, lrs: jax.Array):
+    """Optimizer states for stacked params (R, ...) with per-run step sizes lrs (R,)."""
+
+    def init_one(p, lr):
+        state = optimizer.init(p)
+        state.hyperparams["learning_rate"] = jnp.asarray(lr, jnp.float32)
+        return state
+
+    return jax.vmap(init_one)(params, lrs)
+
+
+def squared_loss(pred: jax.Array, target: jax.Array, reduction: str) -> jax.Array:
+    """½Σ‖pred − target‖² ("sum", the paper's), or ½·mean of the squares ("mean")."""
+    squares = jnp.square(pred - target)
+    return 0.5 * (jnp.sum(squares) if reduction == "sum" else jnp.mean(squares))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFunctions:
+    """Functions of one model and optimizer; see `make_step_functions`."""
+
+    loss: Callable  # (params, hp, x, y) -> scalar, one run
+    step: Callable  # (state, hp, x, y) -> (state, metrics), all runs
+    evaluate: Callable  # (params, hp, x, y) -> (R,) losses, all runs
+    run_steps: Callable  # (state, hp, x, y, num_steps) -> (state, metrics (K, R) each)
+
+
+def make_step_functions(
+    graphdef: nnx.GraphDef,
+    optimizer: optax.GradientTransformation,
+    reduction: str,
+    steps_per_call: int,
+) -> StepFunctions:
+    """Builds the per-run loss and step, their vmaps over runs, and the on-device step loop.
+
+    x: (P, M, d) and y: (P, M, d_y) are shared by all runs; `run_steps` does up to
+    `steps_per_call` steps (its `num_steps` argument may be smaller: compiled once) and returns
+    every step's metrics in buffers of shape (steps_per_call, R), NaN past `num_steps`. The loss
+    reported for a step is the loss of the parameters that step starts from.
+    """
+
+    def loss(params, hp, x, y):
+        pred = transformer.apply(graphdef, params, x, hp["beta_attn"], hp["beta_ffn"])
+        return squared_loss(pred, y, reduction)
+
+    def step_one(state, hp, x, y):
+        value, grads = jax.value_and_grad(loss)(state["params"], hp, x, y)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        metrics = {"loss": value, "grad_norm": optax.global_norm(grads)}
+        return {"params": params, "opt_state": opt_state}, metrics
+
+    step = jax.vmap(step_one, in_axes=(0, 0, None, None))
+    evaluate = jax.vmap(loss, in_axes=(0, 0, None, None))
+
+    def run_steps(state, hp, x, y, num_steps):
+        num_runs = hp["beta_attn"].shape[0]
+        buffers = {
+            name: jnp.full((steps_per_call, num_runs), jnp.nan, jnp.float32)
+            for name in ("loss", "grad_norm")
+        }
+
+        def body(i, carry):
+            state, buffers = carry
+            state, metrics = step(state, hp, x, y)
+            buffers = {k: buffers[k].at[i].set(metrics[k]) for k in buffers}
+            return state, buffers
+
+        return jax.lax.fori_loop(0, num_steps, body, (state, buffers))
+
+    return StepFunctions(loss=loss, step=step, evaluate=evaluate, run_steps=run_steps)

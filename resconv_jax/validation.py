@@ -1,0 +1,101 @@
+"""Config checks that run before anything is written: each failure is one line naming the field."""
+
+from __future__ import annotations
+
+import os
+
+CHOICES = {
+    "task": ("train", "rank_collapse"),
+    "model.qk_init": ("1/d", "1/d_qk"),
+    "data.name": ("synthetic", "jena"),
+    "data.target": ("gaussian", "teacher"),
+    "optim.name": ("sgd", "momentum", "adam"),
+    "optim.reduction": ("sum", "mean"),
+}
+POSITIVE_INTS = (
+    "model.d_qk",
+    "model.d_h",
+    "model.num_layers",
+    "data.num_samples",
+    "data.seq_len",
+    "data.dim",
+    "data.out_dim",
+    "train.log_every",
+    "train.print_every",
+    "train.checkpoint_every",
+    "train.keep_checkpoints",
+)
+NON_NEGATIVE_INTS = ("train.num_steps", "mesh.sweep", "mesh.data")
+POSITIVE_FLOATS = ("optim.lr",)
+NON_NEGATIVE_FLOATS = ("model.beta_attn", "model.beta_ffn")
+
+
+class ConfigError(ValueError):
+    """A config value that cannot be run."""
+
+
+def _get(config, dotted: str):
+    value = config
+    for part in dotted.split("."):
+        if part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+def validate_config(config) -> None:
+    """Raises ConfigError (one line) for the first value that cannot be run."""
+    for field, allowed in CHOICES.items():
+        value = _get(config, field)
+        if value is not None and value not in allowed:
+            raise ConfigError(f"config.{field}={value!r}: expected one of {', '.join(allowed)}")
+    for field in POSITIVE_INTS + NON_NEGATIVE_INTS:
+        value = _get(config, field)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(f"config.{field}={value!r}: expected an integer")
+        if value < 0 or (value == 0 and field in POSITIVE_INTS):
+            sign = "positive" if field in POSITIVE_INTS else "non-negative"
+            raise ConfigError(f"config.{field}={value}: must be {sign}")
+    for field in POSITIVE_FLOATS:
+        if _get(config, field) is not None:
+            _check_lr(f"config.{field}", _get(config, field))
+    for field in NON_NEGATIVE_FLOATS:
+        if _get(config, field) is not None:
+            _check_beta(f"config.{field}", _get(config, field))
+    for value in config.sweep.lr:
+        _check_lr("config.sweep.lr", value)
+    for name in ("beta", "beta_attn", "beta_ffn"):
+        for value in config.sweep[name]:
+            _check_beta(f"config.sweep.{name}", value)
+    if config.sweep.beta and (config.sweep.beta_attn or config.sweep.beta_ffn):
+        raise ConfigError("config.sweep.beta sets both residuals: leave beta_attn/beta_ffn empty")
+    for name in ("print_every", "checkpoint_every"):
+        if config.train[name] % config.train.log_every:
+            raise ConfigError(
+                f"config.train.{name}={config.train[name]}: must be a multiple of "
+                f"train.log_every={config.train.log_every}"
+            )
+
+
+def _check_lr(field: str, value) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+        raise ConfigError(f"{field}={value!r}: the step size must be a number > 0")
+
+
+def _check_beta(field: str, value) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not value >= 0:
+        raise ConfigError(f"{field}={value!r}: a residual coefficient must be a number >= 0")
+
+
+def check_workdir(workdir: str) -> None:
+    """Raises ConfigError unless `workdir` exists as a writable folder or can be created."""
+    path = os.path.abspath(workdir)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"--workdir={workdir}: exists and is not a folder")
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--workdir={workdir}: {existing} is not writable")

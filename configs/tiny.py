@@ -13,10 +13,10 @@ def get_config(arg=None):
     config.data.num_samples = 8  # P
     config.data.seq_len = 4  # M
     config.data.dim = 32  # d = P*M: the theory regime
-    config.optim.lr = 0.01
-    config.train.num_steps = 100
+    config.optim.lr = 0.004  # stable for every β (0.01 diverges at β = 1)
+    config.train.num_steps = 200
     config.train.log_every = 5
-    config.train.print_every = 50
+    config.train.print_every = 100
     config.train.checkpoint_every = 20
     config.sweep.beta = (0.0, 0.5, 1.0)
     config.lock()

@@ -6,6 +6,8 @@ unknown key on the command line (`--config.optim.lrr=...`) is an error.
 
 from __future__ import annotations
 
+import importlib.util
+
 import ml_collections
 
 
@@ -63,3 +65,24 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh.sweep = 0  # devices on the 'sweep' (runs) axis; 0: the largest that divides the runs
     c.mesh.data = 0  # devices on the 'data' (samples) axis; 0: the largest that divides P
     return c
+
+
+def load_config_file(path: str, **overrides) -> ml_collections.ConfigDict:
+    """`get_config()` of the config file at `path`, unlocked copy with dotted-key `overrides`.
+
+    `load_config_file("configs/tiny.py", **{"train.num_steps": 20})`.
+    """
+    spec = importlib.util.spec_from_file_location("resconv_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config()
+    with config.unlocked():
+        for dotted, value in overrides.items():
+            *parents, leaf = dotted.split(".")
+            node = config
+            for parent in parents:
+                node = node[parent]
+            if leaf not in node:
+                raise KeyError(f"unknown config key {dotted}")
+            node[leaf] = value
+    return config

@@ -27,15 +27,29 @@ def _fail(message: str, status: int) -> None:
     sys.exit(status)
 
 
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl flag parsing with one-line errors (an unknown config key, a value of the wrong type)."""
+    try:
+        return flags.FLAGS(argv)
+    except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as error:
+        message = str(error).replace("\\n", " ").replace("\\'", "'")
+        message = " ".join(message.split()).replace("'", "")
+        _fail(f"bad flag: {message}", 2)
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         _fail(f"unexpected arguments: {' '.join(argv[1:])}", 2)
     if _is_multi_host_launch():
         jax.distributed.initialize()
     logging.set_verbosity(logging.WARNING)
-    config = _CONFIG.value
     try:
-        if config.task == "rank_collapse":
+        config = _CONFIG.value
+        task = config.task
+    except OSError as error:  # the config file failed to load; config_flags defers the error
+        _fail(" ".join(str(error).split()), 2)
+    try:
+        if task == "rank_collapse":
             from resconv_jax import rank_collapse
 
             rank_collapse.run(config, _WORKDIR.value)
@@ -65,4 +79,4 @@ def _is_multi_host_launch() -> bool:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

@@ -35,7 +35,7 @@ def init_opt_state(optimizer: optax.GradientTransformation, params, lrs: jax.Arr
 
     def init_one(p, lr):
         state = optimizer.init(p)
-        state.hyperparams["learning_rate"] = jnp.asarray(lr, jnp.float32)
+        state.hyperparams["learning_rate"] = jnp.asarray(lr, state.hyperparams["learning_rate"].dtype)
         return state
 
     return jax.vmap(init_one)(params, lrs)
@@ -79,7 +79,7 @@ def make_step_functions(
         value, grads = jax.value_and_grad(loss)(state["params"], hp, x, y)
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": value, "grad_norm": optax.global_norm(grads)}
+        metrics = {"loss": value, "grad_norm": optax.tree.norm(grads)}
         return {"params": params, "opt_state": opt_state}, metrics
 
     step = jax.vmap(step_one, in_axes=(0, 0, None, None))

@@ -91,7 +91,10 @@ def run(config, workdir: str) -> list[dict]:
     x_np, y_np = dataset.x_train, dataset.y_train
     model_cfg = transformer.model_config(config.model, d=x_np.shape[-1], d_y=y_np.shape[-1])
     mesh = sharding.make_mesh(len(runs), x_np.shape[0], config.mesh)
-    os.makedirs(workdir, exist_ok=True)
+    try:
+        os.makedirs(workdir, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"--workdir={workdir}: cannot create it ({error.strerror})") from None
     if jax.process_index() == 0:
         with open(os.path.join(workdir, CONFIG_FILE), "w") as f:
             json.dump(config_json, f, indent=2)

@@ -1,0 +1,122 @@
+"""Training: convergence, sweeps against single runs, sharding invariance, bad input."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from resconv_jax import train
+from resconv_jax.config_defaults import load_config_file
+from resconv_jax.metrics import read_metrics
+from resconv_jax.validation import ConfigError
+
+TINY = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.py")
+
+
+def tiny(**overrides):
+    defaults = {"train.checkpoint_every": 1000, "train.async_checkpoints": False}
+    return load_config_file(TINY, **(defaults | overrides))
+
+
+def losses_by_run(workdir) -> dict[int, np.ndarray]:
+    records = read_metrics(str(workdir))
+    runs = sorted({r["run"] for r in records})
+    return {run: np.array([r["loss"] for r in records if r["run"] == run]) for run in runs}
+
+
+def test_tiny_loss_falls_100x(tmp_path):
+    summaries = train.run(tiny(), str(tmp_path))
+    for summary in summaries:
+        assert summary["final_loss"] < summary["initial_loss"] / 100, summary
+        assert summary["rate"] < 1.0
+
+
+def test_metrics_lines_carry_run_settings_and_outputs_exist(tmp_path):
+    train.run(tiny(**{"train.num_steps": 10}), str(tmp_path))
+    records = read_metrics(str(tmp_path))
+    assert [r["step"] for r in records] == [0, 0, 0, 5, 5, 5, 10, 10, 10]
+    assert [r["beta_attn"] for r in records[:3]] == [0.0, 0.5, 1.0]
+    assert {"run", "seed", "lr", "beta_ffn", "loss", "grad_norm", "contraction"} <= set(records[0])
+    assert json.load(open(tmp_path / "config.json"))["optim"]["lr"] == 0.004
+    assert os.listdir(tmp_path / "tensorboard")
+    assert len(json.load(open(tmp_path / "summary.json"))) == 3
+
+
+def test_sweep_equals_runs_one_at_a_time(tmp_path):
+    steps = {"train.num_steps": 20}
+    train.run(tiny(**steps), str(tmp_path / "sweep"))
+    swept = losses_by_run(tmp_path / "sweep")
+    for run, beta in enumerate((0.0, 0.5, 1.0)):
+        workdir = tmp_path / f"single{run}"
+        train.run(tiny(**steps, **{"sweep.beta": (beta,)}), str(workdir))
+        np.testing.assert_allclose(losses_by_run(workdir)[0], swept[run], rtol=1e-5)
+
+
+def test_eight_devices_equal_one_device(tmp_path):
+    common = {"train.num_steps": 20, "sweep.beta": (0.0, 1.0)}
+    train.run(tiny(**common, **{"mesh.sweep": 2, "mesh.data": 4}), str(tmp_path / "eight"))
+    train.run(tiny(**common, **{"mesh.sweep": 1, "mesh.data": 1}), str(tmp_path / "one"))
+    eight, one = losses_by_run(tmp_path / "eight"), losses_by_run(tmp_path / "one")
+    for run in (0, 1):
+        np.testing.assert_allclose(eight[run], one[run], rtol=1e-5)
+
+
+def test_same_seed_gives_same_initialization_whatever_beta():
+    config = tiny(**{"sweep.seed": (0, 1)})
+    runs = train.expand_runs(config)
+    model_cfg = train.transformer.model_config(config.model, d=32, d_y=1)
+    optimizer = train.make_optimizer(config.optim)
+    params = train._init_state(config, model_cfg, runs, optimizer)["params"]
+    w_q = np.asarray(params["blocks"][0]["w_q"])
+    assert [(r.seed, r.beta_attn) for r in runs[:4]] == [(0, 0.0), (0, 0.5), (0, 1.0), (1, 0.0)]
+    np.testing.assert_array_equal(w_q[0], w_q[2])
+    assert not np.array_equal(w_q[0], w_q[3])
+
+
+def test_diverging_run_stops_with_one_line_and_keeps_checkpoint(tmp_path):
+    config = tiny(**{"optim.lr": 0.01, "train.num_steps": 100, "train.checkpoint_every": 5})
+    with pytest.raises(train.TrainingDiverged) as error:
+        train.run(config, str(tmp_path))
+    message = str(error.value)
+    assert "\n" not in message
+    assert "diverged" in message and "last good checkpoint: step" in message
+    assert "--config.optim.lr=0.0025" in message
+    assert read_metrics(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        ({"data.num_samples": -3}, "config.data.num_samples=-3: must be positive"),
+        ({"model.d_h": 0}, "config.model.d_h=0: must be positive"),
+        ({"optim.lr": 0.0}, "step size must be a number > 0"),
+        ({"sweep.lr": (0.1, -1.0)}, "config.sweep.lr=-1.0"),
+        ({"model.beta_attn": -0.5}, "config.model.beta_attn=-0.5"),
+        ({"sweep.beta": (0.0, -1.0)}, "config.sweep.beta=-1.0"),
+        ({"optim.name": "lbfgs"}, "config.optim.name='lbfgs'"),
+        ({"train.checkpoint_every": 7}, "multiple of train.log_every"),
+        ({"mesh.sweep": 2}, "does not divide the 3 runs"),
+    ],
+)
+def test_bad_config_raises_one_line_and_writes_nothing(tmp_path, overrides, expected):
+    workdir = tmp_path / "run"
+    with pytest.raises(ConfigError, match=expected) as error:
+        train.run(tiny(**overrides), str(workdir))
+    assert "\n" not in str(error.value)
+    assert not workdir.exists()
+
+
+def test_unwritable_workdir(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match="not a folder"):
+        train.run(tiny(), str(blocker))
+    with pytest.raises(ConfigError, match="cannot create|not writable"):
+        train.run(tiny(), str(blocker / "sub"))
+
+
+def test_resume_refuses_a_different_config(tmp_path):
+    train.run(tiny(**{"train.num_steps": 10}), str(tmp_path))
+    with pytest.raises(ConfigError, match="holds a run with another config"):
+        train.run(tiny(**{"train.num_steps": 10, "optim.lr": 0.001}), str(tmp_path))

@@ -69,7 +69,7 @@ def main(argv: list[str]) -> None:
 
 
 def _is_multi_host_launch() -> bool:
-    """Whether this process is one of several: a TPU pod, a SLURM job, or an explicit coordinator."""
+    """Whether this process is one of several: a TPU pod, a SLURM job, or a set coordinator."""
     env = os.environ
     return bool(
         env.get("JAX_COORDINATOR_ADDRESS")

@@ -38,7 +38,7 @@ def _json_value(value):
 
 
 class MetricsWriter:
-    """Appends metrics lines and TensorBoard scalars; resuming at step s drops lines at steps >= s."""
+    """Appends metrics lines and TensorBoard scalars; resuming at step s drops lines from s on."""
 
     def __init__(self, workdir: str, *, resume_step: int):
         self.enabled = jax.process_index() == 0

@@ -35,7 +35,9 @@ def init_opt_state(optimizer: optax.GradientTransformation, params, lrs: jax.Arr
 
     def init_one(p, lr):
         state = optimizer.init(p)
-        state.hyperparams["learning_rate"] = jnp.asarray(lr, state.hyperparams["learning_rate"].dtype)
+        state.hyperparams["learning_rate"] = jnp.asarray(
+            lr, state.hyperparams["learning_rate"].dtype
+        )
         return state
 
     return jax.vmap(init_one)(params, lrs)

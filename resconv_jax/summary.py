@@ -32,9 +32,10 @@ def run_summaries(history: list[dict], settings: list[dict]) -> list[dict]:
 
 def format_summary(summary: dict) -> str:
     """'run 0 (beta_attn=0, beta_ffn=0, seed=0, lr=0.01): final loss 1.2e-05 at step 2000, ...'"""
+    s = summary
+    settings = f"beta_attn={s['beta_attn']:g}, beta_ffn={s['beta_ffn']:g}, seed={s['seed']}"
     return (
-        f"run {summary['run']} (beta_attn={summary['beta_attn']:g}, beta_ffn={summary['beta_ffn']:g}"
-        f", seed={summary['seed']}, lr={summary['lr']:g}): final loss {summary['final_loss']:.3e} "
-        f"at step {summary['final_step']} (initial {summary['initial_loss']:.3e}), linear rate "
-        f"{summary['rate']:.5f}/step (R² {summary['rate_r2']:.4f})"
+        f"run {s['run']} ({settings}, lr={s['lr']:g}): final loss {s['final_loss']:.3e} "
+        f"at step {s['final_step']} (initial {s['initial_loss']:.3e}), "
+        f"linear rate {s['rate']:.5f}/step (R² {s['rate_r2']:.4f})"
     )

@@ -148,7 +148,8 @@ def run(config, workdir: str) -> list[dict]:
         last_print, last_print_step = time.perf_counter(), step
         while step < total:
             if preempt["signal"] or checkpointer.reached_preemption(step):
-                checkpointer.save(step, state, {"step": step}, force=True)
+                if checkpointer.latest_step() != step:
+                    checkpointer.save(step, state, {"step": step}, force=True)
                 checkpointer.wait()
                 raise Preempted(
                     f"preempted at step {step}: checkpoint saved in {checkpointer.directory}; "

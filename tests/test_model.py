@@ -6,9 +6,9 @@ import numpy as np
 import optax
 import pytest
 
+from resconv_jax.config_defaults import base_config
 from resconv_jax.models import transformer
 from resconv_jax.step import init_opt_state, make_optimizer, make_step_functions
-from resconv_jax.config_defaults import base_config
 
 
 def numpy_forward(params: dict, x: np.ndarray, beta_a: float, beta_f: float) -> np.ndarray:
@@ -73,7 +73,10 @@ def test_gd_step_is_params_minus_lr_grad_with_finite_difference_gradient():
         fns = make_step_functions(graphdef, optimizer, "sum", steps_per_call=1)
         hp = {"beta_attn": jnp.asarray([0.5]), "beta_ffn": jnp.asarray([1.0])}
         stacked = jax.tree.map(lambda a: a[None], params)
-        state = {"params": stacked, "opt_state": init_opt_state(optimizer, stacked, jnp.asarray([0.05]))}
+        state = {
+            "params": stacked,
+            "opt_state": init_opt_state(optimizer, stacked, jnp.asarray([0.05])),
+        }
         new_state, metrics = fns.step(state, hp, x, y)
 
         flat, unravel = jax.flatten_util.ravel_pytree(params)

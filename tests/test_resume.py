@@ -1,0 +1,110 @@
+"""Preemption and resumption: SIGKILL, SIGTERM, a corrupt latest checkpoint."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from resconv_jax import train
+from resconv_jax.checkpoint import Checkpointer
+from resconv_jax.config_defaults import load_config_file
+from resconv_jax.metrics import METRICS_FILE
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+TINY = os.path.join(ROOT, "configs", "tiny.py")
+# Frequent synchronous checkpoints make the run slow enough to interrupt half way.
+LONG = {
+    "train.num_steps": 600,
+    "train.checkpoint_every": 10,
+    "train.keep_checkpoints": 2,
+    "train.async_checkpoints": False,
+}
+
+
+def command(workdir) -> list[str]:
+    flags = [f"--config.{k}={v}" for k, v in LONG.items()]
+    return [
+        sys.executable,
+        "-m",
+        "resconv_jax.main",
+        f"--config={TINY}",
+        f"--workdir={workdir}",
+    ] + flags
+
+
+def start(workdir) -> subprocess.Popen:
+    return subprocess.Popen(
+        command(workdir), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def wait_for_checkpoint(workdir, min_step: int, process: subprocess.Popen) -> None:
+    directory = os.path.join(workdir, "checkpoints")
+    deadline = time.time() + 120
+    while time.time() < deadline and process.poll() is None:
+        steps = (
+            [int(s) for s in os.listdir(directory) if s.isdigit()]
+            if os.path.isdir(directory)
+            else []
+        )
+        if steps and max(steps) >= min_step:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no checkpoint at step >= {min_step}: {process.communicate()[0]}")
+
+
+def reference_metrics(tmp_path) -> str:
+    workdir = tmp_path / "reference"
+    train.run(load_config_file(TINY, **LONG), str(workdir))
+    return (workdir / METRICS_FILE).read_text()
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_gives_identical_metrics(tmp_path):
+    workdir = tmp_path / "killed"
+    process = start(workdir)
+    wait_for_checkpoint(workdir, 100, process)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    result = subprocess.run(command(workdir), cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "resuming from step" in result.stdout
+    resumed_from = int(result.stdout.split("resuming from step ")[1].split()[0])
+    assert 100 <= resumed_from < 600
+    assert (workdir / METRICS_FILE).read_text() == reference_metrics(tmp_path)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_resume_continues(tmp_path):
+    workdir = tmp_path / "terminated"
+    process = start(workdir)
+    wait_for_checkpoint(workdir, 50, process)
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode == 0, output
+    assert "preempted at step" in output
+    saved = int(output.split("preempted at step ")[1].split(":")[0])
+    assert saved in Checkpointer(workdir, every=10, keep=2, use_async=False).steps()
+    result = subprocess.run(command(workdir), cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert f"resuming from step {saved}" in result.stdout
+    assert (workdir / METRICS_FILE).read_text() == reference_metrics(tmp_path)
+
+
+def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path, caplog):
+    steps = {"train.num_steps": 40, "train.checkpoint_every": 10, "train.async_checkpoints": False}
+    reference = tmp_path / "reference"
+    train.run(load_config_file(TINY, **steps), str(reference))
+    workdir = tmp_path / "corrupt"
+    train.run(load_config_file(TINY, **(steps | {"train.num_steps": 30})), str(workdir))
+    latest = workdir / "checkpoints" / "30" / "state"
+    for root, _, files in os.walk(latest):
+        for name in files:
+            with open(os.path.join(root, name), "wb") as f:
+                f.write(b"garbage")
+    train.run(load_config_file(TINY, **steps), str(workdir))
+    assert "checkpoint at step 30 is unreadable" in caplog.text
+    assert (workdir / METRICS_FILE).read_text() == (reference / METRICS_FILE).read_text()

@@ -44,6 +44,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.optim.lr = 1e-3  # step size η (per run: see sweep.lr)
     c.optim.momentum = 0.9  # for name="momentum"
     c.optim.reduction = "sum"  # "sum": ½Σ_p‖F(X_p)−Y_p‖² (the paper); "mean": ½·mean of squares
+    # "fixed": η = optim.lr (or sweep.lr); "lambda_max": per run, η = lr_factor / λ_max(K) of the
+    # tangent kernel at initialization (needs the Jacobian to fit theory.max_jacobian_entries).
+    c.optim.lr_rule = "fixed"
+    c.optim.lr_factor = 1.0  # c in η = c / λ_max(K) for lr_rule="lambda_max" (2 is the edge)
 
     c.train = ml_collections.ConfigDict()
     c.train.num_steps = 200  # GD steps
@@ -60,6 +64,16 @@ def base_config() -> ml_collections.ConfigDict:
     c.sweep.beta_ffn = ()  # values of β_f
     c.sweep.seed = ()  # initialization seeds
     c.sweep.lr = ()  # step sizes
+
+    c.probe = ml_collections.ConfigDict()
+    # Spectral probe of Attn(X) and Z at every log step (train.log_every), from that step's own
+    # forward pass; its values go to metrics.jsonl and TensorBoard.
+    c.probe.enabled = True
+    c.probe.dtype = "float32"  # "float32", or "float64" where JAX_ENABLE_X64 is set
+
+    c.theory = ml_collections.ConfigDict()
+    c.theory.every = 0  # steps between tangent-kernel certificates (0: off); multiple of log_every
+    c.theory.max_jacobian_entries = 20_000_000  # skip the certificate when J (n × p) is larger
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.sweep = 0  # devices on the 'sweep' (runs) axis; 0: the largest that divides the runs

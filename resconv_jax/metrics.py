@@ -12,6 +12,7 @@ import math
 import os
 
 import jax
+import numpy as np
 from tensorboardX import SummaryWriter
 
 METRICS_FILE = "metrics.jsonl"
@@ -33,6 +34,8 @@ def read_metrics(workdir: str) -> list[dict]:
 
 
 def _json_value(value):
+    if isinstance(value, int | np.integer):
+        return int(value)
     value = float(value)
     return value if math.isfinite(value) else str(value)
 

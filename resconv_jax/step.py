@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from resconv_jax import theory
 from resconv_jax.models import transformer
 
 
@@ -54,9 +55,11 @@ class StepFunctions:
     """Functions of one model and optimizer; see `make_step_functions`."""
 
     loss: Callable  # (params, hp, x, y) -> scalar, one run
-    step: Callable  # (state, hp, x, y) -> (state, metrics), all runs
+    step: Callable  # (state, hp, x, y) -> (state, metrics, {"attn", "z"}), all runs
     evaluate: Callable  # (params, hp, x, y) -> (R,) losses, all runs
-    run_steps: Callable  # (state, hp, x, y, num_steps) -> (state, metrics (K, R) each)
+    run_steps: Callable  # (state, hp, x, y, num_steps) -> (state, buffers)
+    predict: Callable  # (params, hp, x) -> F(X), one run
+    kernel_eigenvalues: Callable  # (params, hp, x) -> (λ_min(K), λ_max(K)), each (R,)
 
 
 def make_step_functions(
@@ -64,25 +67,43 @@ def make_step_functions(
     optimizer: optax.GradientTransformation,
     reduction: str,
     steps_per_call: int,
+    *,
+    probe: Callable | None = None,
 ) -> StepFunctions:
     """Builds the per-run loss and step, their vmaps over runs, and the on-device step loop.
 
-    x: (P, M, d) and y: (P, M, d_y) are shared by all runs; `run_steps` does up to
-    `steps_per_call` steps (its `num_steps` argument may be smaller: compiled once) and returns
-    every step's metrics in buffers of shape (steps_per_call, R), NaN past `num_steps`. The loss
-    reported for a step is the loss of the parameters that step starts from.
+    x: (P, M, d) and y: (P, M, d_y) are shared by all runs. `run_steps(state, hp, x, y,
+    num_steps)` does num_steps ≤ `steps_per_call` steps (compiled once for any num_steps)
+    and returns every step's metrics in buffers of shape (steps_per_call, R), NaN past
+    `num_steps`. The loss reported for a step is the loss of the parameters that step starts from.
+
+    `probe(attn, z)` maps the (R, L, P, M, d) intermediates of the call's first step to a dict of
+    (R, L) arrays, returned as buffers of shape (1, R, L). No second forward pass: the
+    intermediates come from that step's loss.
     """
 
+    def loss_and_intermediates(params, hp, x, y):
+        pred, inter = transformer.apply(
+            graphdef, params, x, hp["beta_attn"], hp["beta_ffn"], return_intermediates=True
+        )
+        return squared_loss(pred, y, reduction), inter
+
     def loss(params, hp, x, y):
-        pred = transformer.apply(graphdef, params, x, hp["beta_attn"], hp["beta_ffn"])
-        return squared_loss(pred, y, reduction)
+        return loss_and_intermediates(params, hp, x, y)[0]
+
+    def predict(params, hp, x):
+        return transformer.apply(graphdef, params, x, hp["beta_attn"], hp["beta_ffn"])
+
+    def kernel_eigenvalues_one(params, hp, x):
+        return theory.tangent_kernel_eigenvalues(lambda p: predict(p, hp, x), params)
 
     def step_one(state, hp, x, y):
-        value, grads = jax.value_and_grad(loss)(state["params"], hp, x, y)
+        grad_fn = jax.value_and_grad(loss_and_intermediates, has_aux=True)
+        (value, inter), grads = grad_fn(state["params"], hp, x, y)
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {"loss": value, "grad_norm": optax.tree.norm(grads)}
-        return {"params": params, "opt_state": opt_state}, metrics
+        return {"params": params, "opt_state": opt_state}, metrics, inter
 
     step = jax.vmap(step_one, in_axes=(0, 0, None, None))
     evaluate = jax.vmap(loss, in_axes=(0, 0, None, None))
@@ -96,10 +117,25 @@ def make_step_functions(
 
         def body(i, carry):
             state, buffers = carry
-            state, metrics = step(state, hp, x, y)
+            state, metrics, _ = step(state, hp, x, y)
             buffers = {k: buffers[k].at[i].set(metrics[k]) for k in buffers}
             return state, buffers
 
-        return jax.lax.fori_loop(0, num_steps, body, (state, buffers))
+        # The chunk's first step runs outside the loop, so that the probe of its intermediates
+        # (which needs collectives) is not inside control flow.
+        state, metrics, inter = step(state, hp, x, y)
+        buffers = {k: buffers[k].at[0].set(metrics[k]) for k in buffers}
+        state, buffers = jax.lax.fori_loop(1, num_steps, body, (state, buffers))
+        if probe is not None:
+            probed = probe(inter["attn"], inter["z"])
+            buffers |= {k: v.astype(jnp.float32)[None] for k, v in probed.items()}
+        return state, buffers
 
-    return StepFunctions(loss=loss, step=step, evaluate=evaluate, run_steps=run_steps)
+    return StepFunctions(
+        loss=loss,
+        step=step,
+        evaluate=evaluate,
+        run_steps=run_steps,
+        predict=predict,
+        kernel_eigenvalues=jax.vmap(kernel_eigenvalues_one, in_axes=(0, 0, None)),
+    )

@@ -1,11 +1,14 @@
 """`run(config, workdir)`: mesh -> data -> state (restore or init) -> compiled step loop -> summary.
 
 Every run of a sweep advances in one program. The loop hands control back to Python only at log
-steps, where it writes metrics, checks for divergence, checkpoints, and honours SIGTERM.
+steps, where it writes metrics, checks the tangent-kernel certificate, checks for divergence,
+checkpoints, and honours SIGTERM.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
 import signal
@@ -14,9 +17,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import logging
 
-from resconv_jax import sharding
+from resconv_jax import probe, sharding, theory
 from resconv_jax.checkpoint import Checkpointer
 from resconv_jax.data import load_dataset
 from resconv_jax.metrics import MetricsWriter, progress_line, step_flops
@@ -68,11 +70,69 @@ def _check_resumable(workdir: str, config_json: dict) -> None:
         )
 
 
-def _init_state(config, model_cfg, runs, optimizer):
+def _prepare_workdir(workdir: str, config_json: dict) -> None:
+    try:
+        os.makedirs(workdir, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"--workdir={workdir}: cannot create it ({error.strerror})") from None
+    if jax.process_index() == 0:
+        with open(os.path.join(workdir, CONFIG_FILE), "w") as f:
+            json.dump(config_json, f, indent=2)
+
+
+def _init_params(model_cfg, runs) -> dict:
     params = [transformer.init_params(model_cfg, run.seed)[1] for run in runs]
-    params = jax.tree.map(lambda *leaves: jnp.stack(leaves), *params)
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *params)
+
+
+def _init_state(config, model_cfg, runs, optimizer):
+    params = _init_params(model_cfg, runs)
     lrs = jnp.asarray([run.lr for run in runs], jnp.float32)
     return {"params": params, "opt_state": init_opt_state(optimizer, params, lrs)}
+
+
+def _loss_scale(config, y: np.ndarray) -> float:
+    """d loss / d(½‖F − Y‖²): 1 for the sum reduction, 1/N for the mean over N entries."""
+    return 1.0 if config.optim.reduction == "sum" else 1.0 / y.size
+
+
+def _jacobian_fits(config, x: np.ndarray, y: np.ndarray, model_cfg) -> bool:
+    params = transformer.init_params(model_cfg, 0)[1]
+    num_params = sum(np.size(leaf) for leaf in jax.tree.leaves(params))
+    return y.size * num_params <= config.theory.max_jacobian_entries
+
+
+@dataclasses.dataclass
+class _Kernel:
+    """The tangent-kernel certificate: jitted eigenvalues and the latest λ_max per run."""
+
+    eigenvalues: object  # jitted (params, hp, x) -> (λ_min (R,), λ_max (R,))
+    loss_scale: float
+    lam_max: np.ndarray | None = None
+
+    def records(self, params, hp, x, lrs: np.ndarray, contraction: np.ndarray) -> list[dict]:
+        lam_min, lam_max = (np.asarray(v) for v in self.eigenvalues(params, hp, x))
+        self.lam_max = lam_max
+        bound = theory.certificate_bound(lrs, lam_min, loss_scale=self.loss_scale)
+        holds = theory.bound_holds(contraction, bound)
+        stable = theory.stable_lr(lam_max, loss_scale=self.loss_scale)
+        return [
+            {
+                "ntk/lambda_min": lam_min[r],
+                "ntk/lambda_max": lam_max[r],
+                "ntk/bound": bound[r],
+                "ntk/holds": float(holds[r]),
+                "ntk/stable_lr": stable[r],
+            }
+            for r in range(len(lrs))
+        ]
+
+
+def _with_kernel_lrs(config, runs, kernel: _Kernel, params, hp, x):
+    """lr_rule="lambda_max": each run's η = lr_factor / (λ_max(K)·loss_scale) at initialization."""
+    _, lam_max = (np.asarray(v) for v in kernel.eigenvalues(params, hp, x))
+    lrs = config.optim.lr_factor / (lam_max * kernel.loss_scale)
+    return [dataclasses.replace(run, lr=float(lr)) for run, lr in zip(runs, lrs, strict=True)]
 
 
 def run(config, workdir: str) -> list[dict]:
@@ -91,25 +151,47 @@ def run(config, workdir: str) -> list[dict]:
     x_np, y_np = dataset.x_train, dataset.y_train
     model_cfg = transformer.model_config(config.model, d=x_np.shape[-1], d_y=y_np.shape[-1])
     mesh = sharding.make_mesh(len(runs), x_np.shape[0], config.mesh)
-    try:
-        os.makedirs(workdir, exist_ok=True)
-    except OSError as error:
-        raise ConfigError(f"--workdir={workdir}: cannot create it ({error.strerror})") from None
-    if jax.process_index() == 0:
-        with open(os.path.join(workdir, CONFIG_FILE), "w") as f:
-            json.dump(config_json, f, indent=2)
-    logging.info("data: %s; mesh %s; %d runs", dataset.description, dict(mesh.shape), len(runs))
+    kernel_fits = _jacobian_fits(config, x_np, y_np, model_cfg)
+    if config.optim.lr_rule == "lambda_max" and not kernel_fits:
+        raise ConfigError(
+            "config.optim.lr_rule=lambda_max needs the Jacobian to fit "
+            f"theory.max_jacobian_entries={config.theory.max_jacobian_entries}"
+        )
+    _prepare_workdir(workdir, config_json)
 
-    put_data = lambda a: None if a is None else sharding.put(a, sharding.data_sharding(mesh))  # noqa: E731
-    x, y, x_val, y_val = map(put_data, (x_np, y_np, dataset.x_val, dataset.y_val))
-    hp = sharding.put_tree(run_hparams(runs), sharding.run_sharding(mesh))
+    put_data = functools.partial(sharding.put, sharding=sharding.data_sharding(mesh))
+    x, y = put_data(x_np), put_data(y_np)
+    x_val = None if dataset.x_val is None else put_data(dataset.x_val)
+    y_val = None if dataset.y_val is None else put_data(dataset.y_val)
+    on_runs = sharding.run_sharding(mesh)
+    hp = sharding.put_tree(run_hparams(runs), on_runs)
     optimizer = make_optimizer(config.optim)
     graphdef = transformer.init_params(model_cfg, 0)[0]
-    state = sharding.put_tree(
-        _init_state(config, model_cfg, runs, optimizer), sharding.run_sharding(mesh)
-    )
-
     train = config.train
+    probe_fn = None
+    if config.probe.enabled:
+        dtype = jnp.dtype(config.probe.dtype)
+        probe_fn = functools.partial(probe.probe_attention, mesh=mesh, dtype=dtype)
+    fns = make_step_functions(
+        graphdef,
+        optimizer,
+        config.optim.reduction,
+        train.log_every,
+        probe=probe_fn,
+    )
+    kernel = None
+    if (config.theory.every or config.optim.lr_rule == "lambda_max") and kernel_fits:
+        kernel = _Kernel(jax.jit(fns.kernel_eigenvalues), _loss_scale(config, y_np))
+    elif config.theory.every:
+        print(
+            f"theory: tangent-kernel certificate skipped: J ({y_np.size} outputs x params) "
+            f"exceeds theory.max_jacobian_entries={config.theory.max_jacobian_entries}",
+            flush=True,
+        )
+    if config.optim.lr_rule == "lambda_max":
+        runs = _with_kernel_lrs(config, runs, kernel, _init_params(model_cfg, runs), hp, x)
+    state = sharding.put_tree(_init_state(config, model_cfg, runs, optimizer), on_runs)
+
     checkpointer = Checkpointer(
         workdir,
         every=train.checkpoint_every,
@@ -120,12 +202,10 @@ def run(config, workdir: str) -> list[dict]:
     restored = checkpointer.restore_latest(state)
     if restored is not None:
         step, state, _ = restored
-        logging.info("resumed from the checkpoint at step %d", step)
         print(f"resuming from step {step} ({checkpointer.directory})", flush=True)
     writer = MetricsWriter(workdir, resume_step=step)
 
-    fns = make_step_functions(graphdef, optimizer, config.optim.reduction, train.log_every)
-    state_sharding = jax.tree.map(lambda _: sharding.run_sharding(mesh), state)
+    state_sharding = jax.tree.map(lambda _: on_runs, state)
     t0 = time.perf_counter()
     run_steps = (
         jax.jit(fns.run_steps, donate_argnums=0, out_shardings=(state_sharding, None))
@@ -143,6 +223,7 @@ def run(config, workdir: str) -> list[dict]:
     preempt = {"signal": False}
     previous_handler = signal.signal(signal.SIGTERM, lambda *_: preempt.update(signal=True))
     settings = [r.settings() for r in runs]
+    lrs = np.array([r.lr for r in runs])
     total = train.num_steps
     try:
         last_print, last_print_step = time.perf_counter(), step
@@ -157,18 +238,18 @@ def run(config, workdir: str) -> list[dict]:
                 )
             num = min(train.log_every, total - step)
             val = None if x_val is None else np.asarray(evaluate(state["params"], hp, x_val, y_val))
+            params_at_step = state["params"]
+            certify = kernel is not None and config.theory.every and step % config.theory.every == 0
+            if certify:  # the kernel needs the parameters the chunk is about to donate
+                params_at_step = jax.tree.map(jnp.copy, params_at_step)
             state, buffers = run_steps(state, hp, x, y, jnp.int32(num))
             buffers = jax.tree.map(np.asarray, buffers)
-            _check_finite(buffers["loss"][:num], step, runs, checkpointer)
-            records = []
-            for r, run_settings in enumerate(settings):
-                record = {**run_settings, "loss": buffers["loss"][0, r]}
-                record["grad_norm"] = buffers["grad_norm"][0, r]
-                if num > 1:
-                    record["contraction"] = buffers["loss"][1, r] / buffers["loss"][0, r]
-                if val is not None:
-                    record["val_loss"] = val[r]
-                records.append(record)
+            _check_finite(buffers["loss"][:num], step, runs, checkpointer, kernel)
+            records = _log_records(settings, buffers, num, val)
+            if certify and num > 1:
+                contraction = buffers["loss"][1] / buffers["loss"][0]
+                ntk = kernel.records(params_at_step, hp, x, lrs, contraction)
+                records = [r | n for r, n in zip(records, ntk, strict=True)]
             writer.write(step, records)
             step += num
             checkpointer.save(step, state, {"step": step}, force=step == total)
@@ -178,12 +259,13 @@ def run(config, workdir: str) -> list[dict]:
                 print(progress_line(step, total, buffers["loss"][num - 1], rate), flush=True)
                 writer.scalars(step, {"steps_per_sec": rate, "flops_per_sec": rate * flops})
                 last_print, last_print_step = now, step
-        final = {"loss": np.asarray(evaluate(state["params"], hp, x, y))}
-        if x_val is not None:
-            final["val_loss"] = np.asarray(evaluate(state["params"], hp, x_val, y_val))
         if not writer.history or writer.history[-1]["step"] < total:
-            records = [{**s, **{k: v[r] for k, v in final.items()}} for r, s in enumerate(settings)]
-            writer.write(total, records)
+            final = {"loss": np.asarray(evaluate(state["params"], hp, x, y))}
+            if x_val is not None:
+                final["val_loss"] = np.asarray(evaluate(state["params"], hp, x_val, y_val))
+            writer.write(
+                total, [s | {k: v[r] for k, v in final.items()} for r, s in enumerate(settings)]
+            )
         checkpointer.wait()
     finally:
         signal.signal(signal.SIGTERM, previous_handler)
@@ -196,7 +278,25 @@ def run(config, workdir: str) -> list[dict]:
     return summaries
 
 
-def _check_finite(losses: np.ndarray, step: int, runs, checkpointer: Checkpointer) -> None:
+def _log_records(settings: list[dict], buffers: dict, num: int, val) -> list[dict]:
+    """One record per run for the chunk's first step: loss, contraction, probe values."""
+    records = []
+    for r, run_settings in enumerate(settings):
+        record = dict(run_settings)
+        record["loss"] = buffers["loss"][0, r]
+        record["grad_norm"] = buffers["grad_norm"][0, r]
+        if num > 1:
+            record["contraction"] = buffers["loss"][1, r] / buffers["loss"][0, r]
+        if val is not None:
+            record["val_loss"] = val[r]
+        for key, values in buffers.items():
+            if "/" in key and np.isfinite(values[0, r]).all():
+                record |= {f"layer{i}/{key}": v for i, v in enumerate(values[0, r])}
+        records.append(record)
+    return records
+
+
+def _check_finite(losses: np.ndarray, step: int, runs, checkpointer, kernel) -> None:
     """Raises TrainingDiverged naming the first non-finite loss of `losses` (steps × runs)."""
     bad = ~np.isfinite(losses)
     if not bad.any():
@@ -205,8 +305,13 @@ def _check_finite(losses: np.ndarray, step: int, runs, checkpointer: Checkpointe
     run = runs[r]
     last = checkpointer.latest_step()
     where = f"step {last} in {checkpointer.directory}" if last is not None else "none"
+    if kernel is not None and kernel.lam_max is not None:
+        stable = theory.stable_lr(kernel.lam_max[r], loss_scale=kernel.loss_scale)
+        advice = f"the tangent kernel's stable step size 2/lambda_max was {stable:.3g}; try "
+        advice += f"--config.optim.lr={0.5 * stable:.3g}"
+    else:
+        advice = f"try a smaller step size, e.g. --config.optim.lr={run.lr / 4:g}"
     raise TrainingDiverged(
         f"run {r} (beta_attn={run.beta_attn}, beta_ffn={run.beta_ffn}, seed={run.seed}) diverged: "
-        f"loss {losses[offset, r]} at step {step + offset}; last good checkpoint: {where}; "
-        f"try a smaller step size, e.g. --config.optim.lr={run.lr / 4:g}"
+        f"loss {losses[offset, r]} at step {step + offset}; last good checkpoint: {where}; {advice}"
     )

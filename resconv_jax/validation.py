@@ -11,6 +11,8 @@ CHOICES = {
     "data.target": ("gaussian", "teacher"),
     "optim.name": ("sgd", "momentum", "adam"),
     "optim.reduction": ("sum", "mean"),
+    "optim.lr_rule": ("fixed", "lambda_max"),
+    "probe.dtype": ("float32", "float64"),
 }
 POSITIVE_INTS = (
     "model.d_qk",
@@ -25,8 +27,14 @@ POSITIVE_INTS = (
     "train.checkpoint_every",
     "train.keep_checkpoints",
 )
-NON_NEGATIVE_INTS = ("train.num_steps", "mesh.sweep", "mesh.data")
-POSITIVE_FLOATS = ("optim.lr",)
+NON_NEGATIVE_INTS = (
+    "train.num_steps",
+    "mesh.sweep",
+    "mesh.data",
+    "theory.every",
+    "theory.max_jacobian_entries",
+)
+POSITIVE_FLOATS = ("optim.lr", "optim.lr_factor")
 NON_NEGATIVE_FLOATS = ("model.beta_attn", "model.beta_ffn")
 
 
@@ -71,11 +79,14 @@ def validate_config(config) -> None:
             _check_beta(f"config.sweep.{name}", value)
     if config.sweep.beta and (config.sweep.beta_attn or config.sweep.beta_ffn):
         raise ConfigError("config.sweep.beta sets both residuals: leave beta_attn/beta_ffn empty")
-    for name in ("print_every", "checkpoint_every"):
-        if config.train[name] % config.train.log_every:
+    log_every = config.train.log_every
+    multiples = {f"train.{k}": config.train[k] for k in ("print_every", "checkpoint_every")}
+    if "theory" in config:
+        multiples["theory.every"] = config.theory.every
+    for field, value in multiples.items():
+        if value % log_every:
             raise ConfigError(
-                f"config.train.{name}={config.train[name]}: must be a multiple of "
-                f"train.log_every={config.train.log_every}"
+                f"config.{field}={value}: must be a multiple of train.log_every={log_every}"
             )
 
 

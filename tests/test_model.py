@@ -77,7 +77,7 @@ def test_gd_step_is_params_minus_lr_grad_with_finite_difference_gradient():
             "params": stacked,
             "opt_state": init_opt_state(optimizer, stacked, jnp.asarray([0.05])),
         }
-        new_state, metrics = fns.step(state, hp, x, y)
+        new_state, metrics, _ = fns.step(state, hp, x, y)
 
         flat, unravel = jax.flatten_util.ravel_pytree(params)
         hp_one = {k: v[0] for k, v in hp.items()}

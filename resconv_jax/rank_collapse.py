@@ -1,0 +1,363 @@
+"""Rank collapse at initialization: σ_min/σ_max of Attn(X) and of Attn(X) + X against d_QK.
+
+The paper's claim 3: with d fixed and W_Q, W_K entries of variance 1/d_QK, the logits
+X W_Q W_Kᵀ Xᵀ/√d_QK have a spread of order 1/d_QK, S(X) tends to the uniform matrix 11ᵀ/M and
+Attn(X_p) = S X_p W_V to the rank-one 1 x̄_pᵀ W_V (x̄_p the mean token), so σ_min(Attn(X_p)) → 0.
+The residual keeps Z_p = Attn(X_p) + X_p as well conditioned as X_p. With variance 1/d
+(qk_init="1/d") the logits keep an O(1) spread and nothing collapses. At small d_QK < d another
+effect shows under either init: the logits (X W_Q)(X W_K)ᵀ have rank d_QK, and at d_QK = 1 the
+kernel exp(a_m b_n) is numerically low rank (its singular values fall like 1/k!), so Attn(X_p) is
+ill-conditioned there too (σ_min/σ_max at float32 rounding level, below FLOAT32_FLOOR, for d = 16).
+
+For each qk_init, d_QK and seed, the model's own `Block` (seeded as layer 0 of a `Transformer`
+with that seed) computes A = Block.attention(X) and Z = A + X on one Gaussian X (P, M, d) drawn
+from ``config.data.seed`` (the same X for every setting and seed: the seeds vary the weights
+only). Recorded per seed: for A and Z, per-sample σ_min/σ_max (mean and min over p), min over p of
+σ_min, the stacked (P·M, d) σ_min, σ_max and their ratio, and the mean over p of the numerical
+rank (NumPy's matrix_rank tolerance) and of the stable rank ‖·‖_F²/σ_max². Written to the workdir:
+rank_collapse.csv (seed mean/min/max per qk_init × d_QK), rank_collapse_seeds.csv, the plot
+rank_collapse.png, and config.json.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import time
+from collections.abc import Sequence
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from resconv_jax import probe
+from resconv_jax.models import transformer
+from resconv_jax.validation import CHOICES, ConfigError, check_workdir, validate_config
+
+CSV_FILE = "rank_collapse.csv"
+SEEDS_CSV_FILE = "rank_collapse_seeds.csv"
+PLOT_FILE = "rank_collapse.png"
+CONFIG_FILE = "config.json"
+QK_INITS = CHOICES["model.qk_init"]
+# σ_min/σ_max below this is rounding, not spectrum: float32 attention of M ≤ 10³ tokens (a float64
+# recomputation agrees to 1e-3 relative at 3e-6, and gives 1e-9 to 1e-15 where float32 says 1e-8).
+FLOAT32_FLOOR = 1e-7
+
+# Per-seed metrics of each matrix ("attn": Attn(X), "z": Attn(X) + X), in CSV column order.
+METRICS = (
+    "ratio_p_mean",  # mean over p of σ_min(A_p)/σ_max(A_p)
+    "ratio_p_min",  # min over p of σ_min(A_p)/σ_max(A_p)
+    "sigma_min_p_min",  # min over p of σ_min(A_p)
+    "ratio_stacked",  # σ_min/σ_max of the stacked (P·M, d) matrix
+    "sigma_min_stacked",
+    "sigma_max_stacked",
+    "rank_p_mean",  # mean over p of the numerical rank of A_p
+    "stable_rank_p_mean",  # mean over p of ‖A_p‖_F²/σ_max(A_p)²
+)
+COLUMNS = tuple(f"{name}_{metric}" for name in ("attn", "z") for metric in METRICS)
+
+
+def _check_int_list(field: str, values, *, minimum: int) -> tuple[int, ...]:
+    if isinstance(values, str | bytes) or not isinstance(values, Sequence):
+        raise ConfigError(f"config.{field}={values!r}: expected a list of integers")
+    if not values:
+        raise ConfigError(f"config.{field}: empty; give at least one value")
+    for value in values:
+        if not isinstance(value, int | np.integer) or isinstance(value, bool):
+            raise ConfigError(f"config.{field}: {value!r} is not an integer")
+        if value < minimum:
+            bound = "positive" if minimum == 1 else f">= {minimum}"
+            raise ConfigError(f"config.{field}: {value} must be {bound}")
+    if len(set(values)) != len(values):
+        raise ConfigError(f"config.{field}={tuple(values)}: repeated values")
+    return tuple(int(v) for v in values)
+
+
+def validate(config) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]:
+    """Checks the config for this task; returns (qk_inits, d_qk_values, seeds).
+
+    Raises ConfigError (one line naming the field) for the first value that cannot be run.
+    """
+    validate_config(config)
+    if "rank_collapse" not in config:
+        raise ConfigError(
+            "config.rank_collapse: missing section; use configs/rank_collapse.py for this task"
+        )
+    if config.data.name != "synthetic":
+        raise ConfigError(
+            f"config.data.name={config.data.name!r}: rank_collapse uses Gaussian data (synthetic)"
+        )
+    section = config.rank_collapse
+    for key in ("d_qk_values", "qk_inits", "seeds"):
+        if key not in section:
+            raise ConfigError(f"config.rank_collapse.{key}: missing")
+    unknown = sorted(set(section.keys()) - {"d_qk_values", "qk_inits", "seeds"})
+    if unknown:
+        raise ConfigError(f"config.rank_collapse.{unknown[0]}: unknown field")
+    qk_inits = section.qk_inits
+    if isinstance(qk_inits, str) or not isinstance(qk_inits, Sequence):
+        raise ConfigError(f"config.rank_collapse.qk_inits={qk_inits!r}: expected a list")
+    if not qk_inits:
+        raise ConfigError("config.rank_collapse.qk_inits: empty; give at least one value")
+    for value in qk_inits:
+        if value not in QK_INITS:
+            raise ConfigError(
+                f"config.rank_collapse.qk_inits: {value!r}: expected one of {', '.join(QK_INITS)}"
+            )
+    if len(set(qk_inits)) != len(qk_inits):
+        raise ConfigError(f"config.rank_collapse.qk_inits={tuple(qk_inits)}: repeated values")
+    d_qk_values = _check_int_list("rank_collapse.d_qk_values", section.d_qk_values, minimum=1)
+    seeds = _check_int_list("rank_collapse.seeds", section.seeds, minimum=0)
+    return tuple(qk_inits), tuple(sorted(d_qk_values)), seeds
+
+
+def make_data(data_cfg) -> np.ndarray:
+    """One Gaussian data set X_p ~ N(0, 1)^{M×d}: (P, M, d) float32, seeded by data_cfg.seed."""
+    rng = np.random.default_rng(data_cfg.seed)
+    shape = (data_cfg.num_samples, data_cfg.seq_len, data_cfg.dim)
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def make_blocks(cfg: transformer.ModelConfig, seeds: Sequence[int]) -> tuple[nnx.GraphDef, dict]:
+    """The model's Block for each seed, as one graphdef and parameters stacked over seeds.
+
+    Block(seed) has the weights of layer 0 of ``Transformer(cfg, seed)``. Returns the parameter
+    dict with leaves (S, ...): w_q, w_k (S, d, d_QK), w_v (S, d, d), w_1, w_2.
+    """
+    graphdef, states = None, []
+    for seed in seeds:
+        graphdef, state = nnx.split(transformer.Block(cfg, rngs=nnx.Rngs(params=seed)))
+        states.append(nnx.to_pure_dict(state))
+    return graphdef, jax.tree.map(lambda *leaves: jnp.stack(leaves), *states)
+
+
+def matrix_stats(m: jax.Array) -> dict[str, jax.Array]:
+    """The per-seed METRICS of matrices m: (S, P, M, d) -> dict of (S,) arrays."""
+    _, n_samples, n_tokens, d = m.shape
+    sv = jnp.linalg.svd(m, compute_uv=False)  # (S, P, min(M, d)), descending
+    sample = probe.spectral_stats(sv, n_tokens, d)
+    ratio = sample["sigma_min"] / sample["sigma_max"]  # (S, P)
+    stacked = probe.spectral_stats(
+        probe.stacked_singular_values(m), n_samples * n_tokens, d
+    )  # (S,) each
+    return {
+        "ratio_p_mean": ratio.mean(axis=-1),
+        "ratio_p_min": ratio.min(axis=-1),
+        "sigma_min_p_min": sample["sigma_min"].min(axis=-1),
+        "ratio_stacked": stacked["sigma_min"] / stacked["sigma_max"],
+        "sigma_min_stacked": stacked["sigma_min"],
+        "sigma_max_stacked": stacked["sigma_max"],
+        "rank_p_mean": sample["rank"].mean(axis=-1),
+        "stable_rank_p_mean": (jnp.sum(sv**2, axis=-1) / sample["sigma_max"] ** 2).mean(axis=-1),
+    }
+
+
+@partial(jax.jit, static_argnums=0)
+def attention_spectra(graphdef: nnx.GraphDef, params: dict, x: jax.Array) -> dict[str, jax.Array]:
+    """A = Block.attention(X) and Z = A + X for each seed's Block, and their METRICS.
+
+    Args:
+      graphdef, params: from ``make_blocks``; leaves stacked over S seeds.
+      x: (P, M, d), the same for every seed.
+    Returns:
+      dict of (S,) arrays keyed '{attn,z}_{metric}' (COLUMNS).
+    """
+    attn = jax.vmap(lambda p: nnx.merge(graphdef, p).attention(x))(params)  # (S, P, M, d)
+    out = {}
+    for name, m in (("attn", attn), ("z", attn + x)):
+        out.update({f"{name}_{k}": v for k, v in matrix_stats(m).items()})
+    return out
+
+
+def _aggregate(per_seed: list[dict]) -> dict:
+    row = {"qk_init": per_seed[0]["qk_init"], "d_qk": per_seed[0]["d_qk"]}
+    row["num_seeds"] = len(per_seed)
+    for column in COLUMNS:
+        values = np.array([r[column] for r in per_seed], dtype=np.float64)
+        row[f"{column}/mean"] = float(values.mean())
+        row[f"{column}/min"] = float(values.min())
+        row[f"{column}/max"] = float(values.max())
+    return row
+
+
+def _write_csv(path: str, rows: list[dict]) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def _fmt_range(row: dict, column: str) -> str:
+    return f"{row[column + '/mean']:.2e} [{row[column + '/min']:.1e}, {row[column + '/max']:.1e}]"
+
+
+def format_table(rows: list[dict]) -> str:
+    """One line per qk_init × d_QK: σ_min/σ_max of Attn(X) and Attn(X)+X, and ranks of Attn(X_p).
+
+    Per-sample columns are the mean over p, shown as seed mean [seed min, seed max].
+    """
+    head = (
+        f"{'qk_init':>7} {'d_QK':>5} | {'Attn(X) per-sample σmin/σmax':^29} | "
+        f"{'Attn(X)+X per-sample':^29} | {'stacked A':>9} {'stacked Z':>9} | "
+        f"{'rank A_p':>8} {'srank A_p':>9}"
+    )
+    lines = [head, "-" * len(head)]
+    for row in rows:
+        lines.append(
+            f"{row['qk_init']:>7} {row['d_qk']:>5} | {_fmt_range(row, 'attn_ratio_p_mean'):^29} | "
+            f"{_fmt_range(row, 'z_ratio_p_mean'):^29} | "
+            f"{row['attn_ratio_stacked/mean']:>9.2e} {row['z_ratio_stacked/mean']:>9.2e} | "
+            f"{row['attn_rank_p_mean/mean']:>8.2f} {row['attn_stable_rank_p_mean/mean']:>9.3f}"
+        )
+    return "\n".join(lines)
+
+
+def final_line(rows: list[dict]) -> str:
+    """The headline figures at the largest d_QK, for qk_init "1/d_qk" if it was run."""
+    qk_init = "1/d_qk" if any(r["qk_init"] == "1/d_qk" for r in rows) else rows[0]["qk_init"]
+    row = max((r for r in rows if r["qk_init"] == qk_init), key=lambda r: r["d_qk"])
+    return (
+        f"d_QK={row['d_qk']}, qk_init={qk_init}: per-sample σ_min/σ_max (mean over samples; "
+        f"mean [min, max] over {row['num_seeds']} seeds) of Attn(X) = "
+        f"{_fmt_range(row, 'attn_ratio_p_mean')}, of Attn(X)+X = "
+        f"{_fmt_range(row, 'z_ratio_p_mean')}"
+    )
+
+
+def plot(path: str, rows: list[dict], x_ratio: float, title: str) -> None:
+    """σ_min/σ_max against d_QK (both log scale), one panel per qk_init; bands span the seeds.
+
+    Solid: per-sample ratio (mean over p); dashed: stacked (P·M, d) matrix; dotted: X itself.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    qk_inits = list(dict.fromkeys(r["qk_init"] for r in rows))
+    fig = Figure(figsize=(5.2 * len(qk_inits), 4.8), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(qk_inits), sharey=True, squeeze=False)[0]
+    curves = (
+        ("attn", "C3", "Attn(X)"),
+        ("z", "C0", "Attn(X) + X"),
+    )
+    for ax, qk_init in zip(axes, qk_inits, strict=True):
+        sub = sorted((r for r in rows if r["qk_init"] == qk_init), key=lambda r: r["d_qk"])
+        d_qk = [r["d_qk"] for r in sub]
+        for name, color, label in curves:
+            for kind, style, suffix in (
+                ("p_mean", "-o", "per sample"),
+                ("stacked", "--", "stacked"),
+            ):
+                col = f"{name}_ratio_{kind}"
+                mean = [r[f"{col}/mean"] for r in sub]
+                ax.plot(d_qk, mean, style, color=color, label=f"{label}, {suffix}", ms=4)
+                ax.fill_between(
+                    d_qk,
+                    [r[f"{col}/min"] for r in sub],
+                    [r[f"{col}/max"] for r in sub],
+                    color=color,
+                    alpha=0.2 if kind == "p_mean" else 0.1,
+                    lw=0,
+                )
+        ax.axhline(x_ratio, color="gray", ls=":", label="X, per sample")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(d_qk, [str(v) for v in d_qk])
+        ax.minorticks_off()
+        ax.set_xlabel("query/key width $d_{QK}$")
+        variance = "1/d_{QK}" if qk_init == "1/d_qk" else "1/d"
+        ax.set_title(f"$W_Q, W_K$ entries of variance ${variance}$")
+        ax.grid(True, which="major", alpha=0.3)
+    low, _ = axes[0].get_ylim()
+    if low < FLOAT32_FLOOR:
+        for ax in axes:
+            ax.axhspan(low, FLOAT32_FLOOR, color="k", alpha=0.06, lw=0)
+        axes[-1].text(
+            0.98,
+            0.02,
+            "float32 rounding level",
+            transform=axes[-1].transAxes,
+            ha="right",
+            va="bottom",
+            fontsize=8,
+            color="0.4",
+        )
+        axes[0].set_ylim(bottom=low)
+    axes[0].set_ylabel(r"$\sigma_{\min} / \sigma_{\max}$")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=5, fontsize=8)
+    fig.suptitle(title)
+    fig.savefig(path, dpi=120)
+
+
+def run(config, workdir: str) -> list[dict]:
+    """Runs the rank-collapse experiment; returns one dict per qk_init × d_QK (the CSV rows).
+
+    Each row has qk_init, d_qk, num_seeds and, for every column of COLUMNS, its mean, min and max
+    over seeds ('{column}/mean', ...). Nothing is written before the config is validated.
+    """
+    qk_inits, d_qk_values, seeds = validate(config)
+    check_workdir(workdir)
+    start = time.perf_counter()
+    x = make_data(config.data)  # (P, M, d)
+    n_samples, n_tokens, d = x.shape
+    x_sv = np.linalg.svd(x.astype(np.float64), compute_uv=False)  # (P, min(M, d))
+    x_ratio = float(np.mean(x_sv[:, -1] / x_sv[:, 0]))
+    per_seed, rows = [], []
+    for qk_init in qk_inits:
+        for d_qk in d_qk_values:
+            cfg = transformer.ModelConfig(
+                d=d,
+                d_qk=d_qk,
+                d_h=config.model.d_h,
+                d_y=1,
+                qk_init=qk_init,
+                qk_scale=config.model.qk_scale,
+                v_scale=config.model.v_scale,
+            )
+            graphdef, params = make_blocks(cfg, seeds)
+            stats = jax.device_get(attention_spectra(graphdef, params, jnp.asarray(x)))
+            seed_rows = [
+                {"qk_init": qk_init, "d_qk": d_qk, "seed": seed}
+                | {column: float(stats[column][i]) for column in COLUMNS}
+                for i, seed in enumerate(seeds)
+            ]
+            per_seed.extend(seed_rows)
+            rows.append(_aggregate(seed_rows))
+    elapsed = time.perf_counter() - start
+
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, CONFIG_FILE), "w") as f:
+        json.dump(json.loads(config.to_json_best_effort()), f, indent=2)
+    _write_csv(os.path.join(workdir, CSV_FILE), rows)
+    _write_csv(os.path.join(workdir, SEEDS_CSV_FILE), per_seed)
+    title = (
+        f"Rank collapse at initialization: d = {d}, M = {n_tokens}, P = {n_samples}, "
+        f"{len(seeds)} seed{'s' if len(seeds) > 1 else ''} (band: seed min–max)"
+    )
+    plot(os.path.join(workdir, PLOT_FILE), rows, x_ratio, title)
+
+    print(
+        f"rank collapse at initialization: X (P={n_samples}, M={n_tokens}, d={d}), "
+        f"data seed {config.data.seed}, {len(seeds)} init seeds; {elapsed:.1f} s",
+        flush=True,
+    )
+    print(f"X itself: per-sample σ_min/σ_max mean over p = {x_ratio:.3f}", flush=True)
+    print(format_table(rows), flush=True)
+    print(
+        f"wrote {CSV_FILE}, {SEEDS_CSV_FILE}, {PLOT_FILE}, {CONFIG_FILE} to {workdir}", flush=True
+    )
+    if any(r["attn_ratio_p_mean/min"] < FLOAT32_FLOOR for r in rows):
+        print(
+            f"note: ratios below {FLOAT32_FLOOR:.0e} are at float32 rounding level; "
+            "the true values are smaller",
+            flush=True,
+        )
+    print(final_line(rows), flush=True)
+    if not all(math.isfinite(r["attn_ratio_p_mean/mean"]) for r in rows):
+        print("warning: non-finite singular-value ratios (see the CSV)", flush=True)
+    return rows

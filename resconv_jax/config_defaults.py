@@ -75,6 +75,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.theory.every = 0  # steps between tangent-kernel certificates (0: off); multiple of log_every
     c.theory.max_jacobian_entries = 20_000_000  # skip the certificate when J (n × p) is larger
 
+    c.report = ml_collections.ConfigDict()
+    # Loss level for "steps to threshold" in beta_table.csv; 0: 1.5 × the largest final loss.
+    c.report.loss_threshold = 0.0
+
     c.mesh = ml_collections.ConfigDict()
     c.mesh.sweep = 0  # devices on the 'sweep' (runs) axis; 0: the largest that divides the runs
     c.mesh.data = 0  # devices on the 'data' (samples) axis; 0: the largest that divides P

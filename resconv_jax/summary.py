@@ -2,31 +2,58 @@
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
+
 from resconv_jax.theory import fit_linear_rate
 
 # Losses below this fraction of the initial loss sit at float32's floor and bend the log-linear fit.
 FIT_FLOOR = 1e-7
 
 
-def run_summaries(history: list[dict], settings: list[dict]) -> list[dict]:
-    """One dict per run: its settings, initial and final loss, and the fitted linear rate.
+def fit_rate(steps, losses) -> tuple[float, float]:
+    """(ρ, R²) of log L = a + t·log ρ over the logged steps with L > FIT_FLOOR × L_0."""
+    steps, losses = np.asarray(steps, float), np.asarray(losses, float)
+    if not losses.size:
+        return math.nan, math.nan
+    keep = losses > FIT_FLOOR * losses[0]
+    return fit_linear_rate(steps[keep], losses[keep])
 
-    The rate ρ is the per-step factor of a least-squares fit of log L against step over the logged
-    steps whose loss is above FIT_FLOOR × the initial loss; R² says how straight the line is.
-    """
+
+def _column(lines: list[dict], key: str) -> np.ndarray:
+    return np.array([float(line[key]) for line in lines if key in line])
+
+
+def run_summaries(history: list[dict], settings: list[dict]) -> list[dict]:
+    """One dict per run: settings, initial/final loss, fitted linear rate, and where measured,
+    σ_min²/σ_max² of Z (layer 0) at the start and end and the certificate's hold fraction (over
+    the checks whose loss is above FIT_FLOOR × the initial loss)."""
     summaries = []
     for run_settings in settings:
         lines = [line for line in history if line["run"] == run_settings["run"]]
-        steps = [line["step"] for line in lines]
-        losses = [float(line["loss"]) for line in lines]
-        initial = losses[0] if losses else float("nan")
-        kept = [(s, v) for s, v in zip(steps, losses, strict=True) if v > FIT_FLOOR * initial]
-        rate, r2 = fit_linear_rate([s for s, _ in kept], [v for _, v in kept])
-        summary = {**run_settings, "initial_loss": initial, "final_loss": losses[-1]}
-        summary |= {"final_step": steps[-1], "rate": rate, "rate_r2": r2}
+        losses = _column(lines, "loss")
+        rate, r2 = fit_rate([line["step"] for line in lines], losses)
+        summary = {**run_settings, "initial_loss": losses[0], "final_loss": losses[-1]}
+        summary |= {"final_step": lines[-1]["step"], "rate": rate, "rate_r2": r2}
         if "val_loss" in lines[-1]:
             summary["final_val_loss"] = float(lines[-1]["val_loss"])
-        summaries.append(summary)
+        sigma_min, sigma_max = (_column(lines, f"layer0/z/sigma_{k}") for k in ("min", "max"))
+        if sigma_min.size:
+            ratio = (sigma_min / sigma_max) ** 2
+            summary |= {"z_sigma_ratio_sq_start": ratio[0], "z_sigma_ratio_sq_end": ratio[-1]}
+        # The certificate compares L_{t+1}/L_t with its bound: meaningless at float32's floor.
+        holds = _column(
+            [line for line in lines if line["loss"] > FIT_FLOOR * losses[0]], "ntk/holds"
+        )
+        if holds.size:
+            summary |= {
+                "certificate_hold_fraction": float(holds.mean()),
+                "certificate_checks": holds.size,
+            }
+        summaries.append(
+            {k: v.item() if isinstance(v, np.generic) else v for k, v in summary.items()}
+        )
     return summaries
 
 
@@ -34,8 +61,17 @@ def format_summary(summary: dict) -> str:
     """'run 0 (beta_attn=0, beta_ffn=0, seed=0, lr=0.01): final loss 1.2e-05 at step 2000, ...'"""
     s = summary
     settings = f"beta_attn={s['beta_attn']:g}, beta_ffn={s['beta_ffn']:g}, seed={s['seed']}"
-    return (
-        f"run {s['run']} ({settings}, lr={s['lr']:g}): final loss {s['final_loss']:.3e} "
+    text = (
+        f"run {s['run']} ({settings}, lr={s['lr']:.4g}): final loss {s['final_loss']:.3e} "
         f"at step {s['final_step']} (initial {s['initial_loss']:.3e}), "
         f"linear rate {s['rate']:.5f}/step (R² {s['rate_r2']:.4f})"
     )
+    if "z_sigma_ratio_sq_start" in s:
+        start, end = s["z_sigma_ratio_sq_start"], s["z_sigma_ratio_sq_end"]
+        text += f", σ_min²/σ_max²(Z) {start:.3g} -> {end:.3g}"
+    if "certificate_hold_fraction" in s:
+        text += (
+            f", certificate held {s['certificate_hold_fraction']:.0%} "
+            f"of {s['certificate_checks']} checks"
+        )
+    return text

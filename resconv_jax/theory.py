@@ -95,12 +95,17 @@ def tangent_kernel_eigenvalues(f: Callable, params) -> tuple[jax.Array, jax.Arra
     return jnp.maximum(lam_min, 0), eig[-1]
 
 
-def certificate_bound(lr, lam_min, *, loss_scale=1.0):
-    """Predicted contraction (1 − η' λ_min(K))², η' = lr·loss_scale; valid when η' ≤ 1/λ_max(K).
+def certificate_bound(lr, lam_min, *, loss_scale=1.0, lam_max=None):
+    """Predicted contraction of the linearized GD step, η' = lr·loss_scale.
 
+    (1 − η' λ_min(K))², valid when η' ≤ 1/λ_max(K). Given `lam_max`, the bound for any η',
+    max((1 − η' λ_min)², (1 − η' λ_max)²), which equals the former for η' ≤ 2/(λ_min + λ_max).
     loss_scale is 1 for the sum loss ½Σ‖F − Y‖² and 1/N for the mean reduction ½/N Σ‖F − Y‖².
     """
-    return (1.0 - lr * loss_scale * lam_min) ** 2
+    bound = (1.0 - lr * loss_scale * lam_min) ** 2
+    if lam_max is not None:
+        bound = np.maximum(bound, (1.0 - lr * loss_scale * lam_max) ** 2)
+    return bound
 
 
 def stable_lr(lam_max, *, loss_scale=1.0):

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from resconv_jax import probe, sharding, theory
+from resconv_jax import probe, report, sharding, theory
 from resconv_jax.checkpoint import Checkpointer
 from resconv_jax.data import load_dataset
 from resconv_jax.metrics import MetricsWriter, progress_line, step_flops
@@ -113,7 +113,7 @@ class _Kernel:
     def records(self, params, hp, x, lrs: np.ndarray, contraction: np.ndarray) -> list[dict]:
         lam_min, lam_max = (np.asarray(v) for v in self.eigenvalues(params, hp, x))
         self.lam_max = lam_max
-        bound = theory.certificate_bound(lrs, lam_min, loss_scale=self.loss_scale)
+        bound = theory.certificate_bound(lrs, lam_min, loss_scale=self.loss_scale, lam_max=lam_max)
         holds = theory.bound_holds(contraction, bound)
         stable = theory.stable_lr(lam_max, loss_scale=self.loss_scale)
         return [
@@ -275,6 +275,9 @@ def run(config, workdir: str) -> list[dict]:
     if jax.process_index() == 0:
         with open(os.path.join(workdir, "summary.json"), "w") as f:
             json.dump(summaries, f, indent=2)
+        rows = report.write_reports(workdir, writer.history, config.report.loss_threshold)
+        if len(rows) > 1:
+            print(report.format_beta_table(rows), flush=True)
     return summaries
 
 

@@ -118,11 +118,17 @@ class Runs:
 
 
 def build_runs(
-    size: Size, betas: Sequence[float], steps_per_call: int, seed: int = 0, data=None
+    size: Size,
+    betas: Sequence[float],
+    steps_per_call: int,
+    seed: int = 0,
+    data=None,
+    step_kwargs: dict | None = None,
 ) -> Runs:
     """The library's (graphdef, optimizer, step functions) and a stacked state for `betas`.
 
     Every run starts from the same initialization (`seed`), as in a sweep over β.
+    `step_kwargs` go to `make_step_functions`.
     """
     cfg = model_config(size)
     optimizer = optimizer_for(size)
@@ -133,8 +139,13 @@ def build_runs(
     b = jnp.asarray(betas, jnp.float32)
     hp = {"beta_attn": b, "beta_ffn": b}
     x, y = make_data(size) if data is None else data
-    fns = make_step_functions(graphdef, optimizer, "sum", steps_per_call)
+    fns = make_step_functions(graphdef, optimizer, "sum", steps_per_call, **(step_kwargs or {}))
     return Runs(fns, state, hp, jnp.asarray(x), jnp.asarray(y), graphdef, params0)
+
+
+def library_accepts(name: str) -> bool:
+    """Whether resconv_jax.step.make_step_functions takes the keyword argument `name`."""
+    return name in inspect.signature(make_step_functions).parameters
 
 
 def run_steps_fn(fns) -> Callable:

@@ -1,9 +1,9 @@
 """A 5-run β sweep as one program against the same 5 runs one after another.
 
-    python -m benchmarks.sweep_vs_sequential                  # both parts, small defaults (~2 min)
+    python -m benchmarks.sweep_vs_sequential                # both parts, small defaults (~2 min)
     python -m benchmarks.sweep_vs_sequential --part commands --cmd-repeats 3
-    python -m benchmarks.sweep_vs_sequential --part steps --sizes jena --repeats 9
-    python -m benchmarks.sweep_vs_sequential --part steps --candidates tn,map --dump-hlo /tmp/hlo
+    python -m benchmarks.sweep_vs_sequential --part steps --repeats 9 \
+        --candidates tn,sm,tn+sm+qkv,map,tn+sm+qkv+map --dump-hlo /tmp/hlo
 
 Part "commands": wall time of one `python -m resconv_jax.main --config=configs/theory.py` command
 with `--config.sweep.beta="(0.0,0.25,0.5,0.75,1.0)"` against five commands with one β each (fresh
@@ -13,23 +13,27 @@ Part "steps", in one process: the jitted step of resconv_jax.step vmapped over 5
 the same functions with R=1 called 5 times, (a) as `run_steps` (K steps in an on-device loop per
 call, so dispatch does not dominate) and (b) one step per call (dispatch-bound). At the
 configs/theory.py size and a Jena-like size (P=512, M=24, d=6, d_qk=6, d_h=32, d_y=1; Gaussian data
-of that shape). Target: the vmapped step costs no more than the 5 single steps.
+of that shape). Target: the vmapped step costs no more than the 5 single steps. Before timing, every
+case's losses after 10 steps are checked against the library's five single runs.
 
-Candidates (`--candidates`), each measured next to the library in the same process:
-  tn   the model with matmuls whose backward pass materializes the transposed operand behind an
-       optimization barrier (`tn_matmul` below), so that every large dot of the backward pass
-       reaches XLA:CPU's YNNPACK dot kernels in canonical (row-major, non-transposed) form. Under
-       vmap, XLA otherwise folds those transposes into batched dots with transposed contraction
-       dimensions, which YNNPACK rejects and which then run as per-batch Eigen loops.
-  map  the runs stepped one after another inside the program (`jax.lax.map` over the run axis),
-       i.e. R=1 kernels without the per-run dispatch.
+Candidates (`--candidates`, '+'-joined parts), timed next to the library in the same process:
+  tn    every matmul has a custom VJP whose backward pass multiplies by a transposed copy made
+        behind an optimization barrier (`tn_matmul`), so that every large dot of the backward
+        pass reaches XLA:CPU's YNNPACK kernels in canonical (row-major, untransposed) form. Under
+        vmap, XLA otherwise folds those transposes into batched dots with transposed contraction
+        dimensions, which YNNPACK rejects and which then run as slow per-batch Eigen loops.
+  sm    the attention softmax with the derivative y ⊙ (ẋ − Σ y ⊙ ẋ) (`softmax_rows`); by default
+        `jax.nn.softmax` is differentiated through exp(x − max)/Σ, a longer chain of M×M passes.
+  qkv   one x @ [W_Q W_K W_V] product instead of three.
+  map   the runs stepped one after another inside the program (`jax.lax.map` over the run axis;
+        mapB: B runs at a time, vmapped), so that the working set is one run's.
 `--malloc-no-mmap` makes glibc serve large allocations from the heap (no mmap/munmap per call):
 XLA's temporary buffer of the vmapped Jena-size step (~45 MB) exceeds glibc's largest mmap
-threshold (32 MB), so every call would otherwise fault in fresh pages. It is process-wide, so
-compare two runs of this script, with and without the flag.
+threshold (32 MB), so every call otherwise faults in fresh pages. It is process-wide: compare two
+runs of this script, with and without the flag.
 
 Times are medians over `--repeats` round-robin repeats (the order rotated each repeat); ratios are
-ratios of medians. See benchmarks/RESULTS.md for measured numbers.
+ratios of medians. See benchmarks/RESULTS.md for measured numbers and the recommended patch.
 """
 
 from __future__ import annotations
@@ -148,6 +152,7 @@ class Variant(NamedTuple):
     sm: bool = False  # softmax_rows for the attention softmax
     qkv: bool = False  # one x @ [W_Q W_K W_V] product instead of three
     chunk: int = 0  # 0: vmap over all runs; B: jax.lax.map over the runs, B at a time
+    lib_chunk: int = 0  # B: the library's own make_step_functions(runs_per_chunk=B), if it has it
 
     @property
     def model(self) -> bool:
@@ -162,8 +167,12 @@ def parse_variant(name: str) -> Variant:
             v = v._replace(**{part: True})
         elif part.startswith("map") and (part[3:] == "" or part[3:].isdigit()):
             v = v._replace(chunk=int(part[3:] or 1))
+        elif part.startswith("libchunk") and part[8:].isdigit():
+            v = v._replace(lib_chunk=int(part[8:]))
         elif part != "library":
-            raise SystemExit(f"unknown candidate {name!r} (parts: tn, sm, qkv, map, mapB)")
+            raise SystemExit(
+                f"unknown candidate {name!r} (parts: tn, sm, qkv, map, mapB, libchunkB)"
+            )
     return v
 
 
@@ -175,7 +184,7 @@ def candidate_block_methods(v: Variant):
     def softmax(logits):
         return softmax_rows(logits) if v.sm else jax.nn.softmax(logits, axis=-1)
 
-    def attention(self, x):
+    def attention(self, x, **_):  # ** takes the library's own options, if any
         w_q, w_k, w_v = self.w_q[...], self.w_k[...], self.w_v[...]
         if v.qkv:
             d_qk = w_q.shape[1]
@@ -186,7 +195,7 @@ def candidate_block_methods(v: Variant):
         logits = mm_nt(q, k) / jnp.sqrt(q.shape[-1]).astype(x.dtype)
         return mm(softmax(logits), val)
 
-    def call(self, x, beta_attn, beta_ffn):
+    def call(self, x, beta_attn, beta_ffn, **_):
         attn = self.attention(x)
         z = attn + beta_attn * x
         h = mm(jax.nn.relu(mm(z, self.w_1[...])), self.w_2[...]) + beta_ffn * z
@@ -282,10 +291,17 @@ def build_cases(size, candidates, loop_steps):
         v = parse_variant(variant)
         batch = v.chunk
         ctx = candidate_model(v) if v.model else None
+        r5v = r5
+        if v.lib_chunk:
+            if not common.library_accepts("runs_per_chunk"):
+                print(f"skipping {variant}: make_step_functions has no runs_per_chunk", flush=True)
+                continue
+            kwargs = {"runs_per_chunk": v.lib_chunk}
+            r5v = common.build_runs(size, SWEEP_BETAS, loop_steps, data=data, step_kwargs=kwargs)
         for mode, k in (("loop", loop_steps), ("call", None)):
-            for label, runs_list in (("R=5", [r5]), ("5xR=1", r1s)):
-                if batch and label == "5xR=1":
-                    continue  # lax.map only changes how several runs are stepped
+            for label, runs_list in (("R=5", [r5v]), ("5xR=1", r1s)):
+                if (batch or v.lib_chunk) and label == "5xR=1":
+                    continue  # chunking only changes how several runs are stepped
                 fns = runs_list[0].fns
                 if batch:
                     fn = map_run_steps(fns, k, batch) if k else map_step(fns, batch)
@@ -481,7 +497,11 @@ def main(argv=None) -> None:
     p.add_argument(
         "--loop-steps", type=int, default=0, help="K steps per run_steps call (0: 100 / 5)"
     )
-    p.add_argument("--candidates", default="tn", help="comma list of: tn, map ('' for none)")
+    p.add_argument(
+        "--candidates",
+        default="tn+sm+qkv,tn+sm+qkv+map",
+        help="comma list of '+'-joined parts tn, sm, qkv, map, mapB ('' for none)",
+    )
     p.add_argument("--rtol", type=float, default=1e-5, help="loss agreement required")
     p.add_argument("--check-steps", type=int, default=10, help="steps before the loss check")
     p.add_argument("--dump-hlo", default="", help="write the compiled loop HLO to this folder")

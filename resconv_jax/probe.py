@@ -21,11 +21,14 @@ by n_sweep and P by n_data. On CPU with several (virtual) devices, set OPENBLAS_
 devices' concurrent LAPACK QRs otherwise fight over OpenBLAS threads (100× slower).
 """
 
+import functools
 import re
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+
+from resconv_jax.linalg import small_batches
 
 SWEEP, DATA = "sweep", "data"
 
@@ -42,11 +45,17 @@ def _tsqr_singular_values(x: jax.Array, axis_name: str | None) -> jax.Array:
 
     k = min(n_shards·min(N_local, d), d) ≥ min(N, d); the caller keeps the first min(N, d).
     """
-    r = jnp.linalg.qr(x, mode="r")  # (..., min(N_local, d), d): a short R when N_local < d
+    qr_r = functools.partial(jnp.linalg.qr, mode="r")
+    r = small_batches(qr_r, x)  # (..., min(N_local, d), d): a short R when N_local < d
     if axis_name is not None:
         r = jax.lax.all_gather(r, axis_name, axis=r.ndim - 2, tiled=True, to="invarying")
-        r = jnp.linalg.qr(r, mode="r")  # (..., ≤ d, d)
-    return jnp.linalg.svd(r, full_matrices=False, compute_uv=False)
+        r = small_batches(qr_r, r)  # (..., ≤ d, d)
+    return small_batches(singular_values, r)
+
+
+def singular_values(x: jax.Array) -> jax.Array:
+    """Singular values of one (m, n) matrix, descending."""
+    return jnp.linalg.svd(x, full_matrices=False, compute_uv=False)
 
 
 def _probe_local(x: jax.Array, axis_name: str | None, dtype, parts: tuple[str, ...]) -> tuple:
@@ -58,7 +67,7 @@ def _probe_local(x: jax.Array, axis_name: str | None, dtype, parts: tuple[str, .
         out.append(_tsqr_singular_values(x.reshape(r, n_layers, n_samples * m, d), axis_name))
     if "sample" in parts:
         # σ_min(X_p) is the min(M, d)-th singular value; small SVDs of local samples only.
-        s = jnp.linalg.svd(x, full_matrices=False, compute_uv=False)[..., -1].min(axis=-1)
+        s = small_batches(singular_values, x)[..., -1].min(axis=-1)
         out.append(s if axis_name is None else jax.lax.pmin(s, axis_name))
     return tuple(out)
 

@@ -35,6 +35,7 @@ import numpy as np
 from flax import nnx
 
 from resconv_jax import probe
+from resconv_jax.linalg import small_batches
 from resconv_jax.models import transformer
 from resconv_jax.validation import CHOICES, ConfigError, check_workdir, validate_config
 
@@ -138,7 +139,7 @@ def make_blocks(cfg: transformer.ModelConfig, seeds: Sequence[int]) -> tuple[nnx
 def matrix_stats(m: jax.Array) -> dict[str, jax.Array]:
     """The per-seed METRICS of matrices m: (S, P, M, d) -> dict of (S,) arrays."""
     _, n_samples, n_tokens, d = m.shape
-    sv = jnp.linalg.svd(m, compute_uv=False)  # (S, P, min(M, d)), descending
+    sv = small_batches(probe.singular_values, m)  # (S, P, min(M, d)), descending
     sample = probe.spectral_stats(sv, n_tokens, d)
     ratio = sample["sigma_min"] / sample["sigma_max"]  # (S, P)
     stacked = probe.spectral_stats(

@@ -59,7 +59,8 @@ class StepFunctions:
     evaluate: Callable  # (params, hp, x, y) -> (R,) losses, all runs
     run_steps: Callable  # (state, hp, x, y, num_steps) -> (state, buffers)
     predict: Callable  # (params, hp, x) -> F(X), one run
-    kernel_eigenvalues: Callable  # (params, hp, x) -> (λ_min(K), λ_max(K)), each (R,)
+    # (params, hp, x) -> (λ_min(K), λ_max(K)), each (R,); one run at a time (see linalg.py)
+    kernel_eigenvalues: Callable
 
 
 def make_step_functions(
@@ -137,5 +138,7 @@ def make_step_functions(
         evaluate=evaluate,
         run_steps=run_steps,
         predict=predict,
-        kernel_eigenvalues=jax.vmap(kernel_eigenvalues_one, in_axes=(0, 0, None)),
+        kernel_eigenvalues=lambda params, hp, x: jax.lax.map(
+            lambda run: kernel_eigenvalues_one(*run, x), (params, hp)
+        ),
     )

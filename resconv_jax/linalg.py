@@ -1,0 +1,30 @@
+"""Batched CPU linear algebra that cannot deadlock.
+
+jaxlib's CPU LAPACK kernels (jaxlib 0.10) split a batch of matrices into tasks on XLA's intra-op
+thread pool and block until the tasks finish. When every pool thread is itself blocked in such a
+call (several devices, or concurrent kernels, on a 2-core machine) nothing runs the tasks and the
+program hangs. A batch whose work is below the kernels' ~2e5 FLOP task threshold, or a single
+matrix, runs inline on the calling thread, so `small_batches` feeds LAPACK such batches through
+`lax.map`. On GPU and TPU this only costs a short loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+
+INLINE_FLOP = 50_000  # well below jaxlib's per-task minimum work (2e5 FLOP)
+
+
+def small_batches(fn: Callable, x: jax.Array):
+    """`fn` of one (m, n) matrix, applied to every matrix of x (..., m, n) in small batches.
+
+    Returns fn's outputs with x's batch dimensions in front. Must not run under `jax.vmap`
+    (which would batch the calls again).
+    """
+    *batch, m, n = x.shape
+    flat = x.reshape(-1, m, n)
+    size = max(1, INLINE_FLOP // max(m * n * min(m, n), 1))
+    out = jax.lax.map(fn, flat, batch_size=min(size, flat.shape[0]))
+    return jax.tree.map(lambda o: o.reshape(*batch, *o.shape[1:]), out)

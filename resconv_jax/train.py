@@ -160,9 +160,14 @@ def run(config, workdir: str) -> list[dict]:
     _prepare_workdir(workdir, config_json)
 
     put_data = functools.partial(sharding.put, sharding=sharding.data_sharding(mesh))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     x, y = put_data(x_np), put_data(y_np)
-    x_val = None if dataset.x_val is None else put_data(dataset.x_val)
-    y_val = None if dataset.y_val is None else put_data(dataset.y_val)
+    x_val, y_val = None, None
+    if dataset.x_val is not None:
+        # Validation sets rarely divide the 'data' axis; they are small, so replicate those.
+        divisible = dataset.x_val.shape[0] % mesh.shape["data"] == 0
+        put_val = put_data if divisible else functools.partial(sharding.put, sharding=replicated)
+        x_val, y_val = put_val(dataset.x_val), put_val(dataset.y_val)
     on_runs = sharding.run_sharding(mesh)
     hp = sharding.put_tree(run_hparams(runs), on_runs)
     optimizer = make_optimizer(config.optim)

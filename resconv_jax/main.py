@@ -9,7 +9,10 @@ from __future__ import annotations
 import os
 import sys
 
-import jax
+# Threaded OpenBLAS inside XLA's own CPU threads slows LAPACK (the probe's QR) ~30x; set first.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import jax  # noqa: E402
 from absl import app, flags, logging
 from ml_collections import config_flags
 

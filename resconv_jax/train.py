@@ -249,11 +249,13 @@ def run(config, workdir: str) -> list[dict]:
                 params_at_step = jax.tree.map(jnp.copy, params_at_step)
             state, buffers = run_steps(state, hp, x, y, jnp.int32(num))
             buffers = jax.tree.map(np.asarray, buffers)
-            _check_finite(buffers["loss"][:num], step, runs, checkpointer, kernel)
-            records = _log_records(settings, buffers, num, val)
-            if certify and num > 1:
+            ntk = None
+            if certify and num > 1:  # before the finiteness check, which reports its λ_max
                 contraction = buffers["loss"][1] / buffers["loss"][0]
                 ntk = kernel.records(params_at_step, hp, x, lrs, contraction)
+            _check_finite(buffers["loss"][:num], step, runs, checkpointer, kernel)
+            records = _log_records(settings, buffers, num, val)
+            if ntk is not None:
                 records = [r | n for r, n in zip(records, ntk, strict=True)]
             writer.write(step, records)
             step += num

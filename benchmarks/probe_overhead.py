@@ -1,0 +1,239 @@
+"""Cost of the spectral probe: a training step with the probe against the same step without it.
+
+    python -m benchmarks.probe_overhead                        # theory + large sizes (~1 min)
+    python -m benchmarks.probe_overhead --sizes theory --repeats 21
+    python -m benchmarks.probe_overhead --sizes large --large 4096,25,16 --repeats 5
+    python -m benchmarks.probe_overhead --devices 8           # 8 virtual CPU devices, (1, 8) mesh
+    python -m benchmarks.probe_overhead --openblas-threads 0  # OpenBLAS threads as the env says
+
+Both cases are `resconv_jax.step.make_step_functions` with `probe=None` and with
+`probe=functools.partial(probe.probe_attention, mesh=mesh)`, compiled as resconv_jax.train does
+(`jax.jit(run_steps, donate_argnums=0, out_shardings=...)`, the state on the runs' sharding and the
+data on the samples' sharding of the mesh that `sharding.make_mesh` picks). Three timings:
+
+  run_steps, 1 step/call   `run_steps(state, hp, x, y, num_steps=1)`, so that the probe runs on
+                           every step.
+  compute: step (+ probe)  one jitted function doing one vmapped step (`fns.step`) and, when
+                           probed, the probe of that step's intermediates: no loop, no buffers.
+  run_steps, K steps/call  as train.run calls it: K = train.log_every steps per call, the probe on
+                           the first; its overhead is the probe's cost in training.
+
+Sizes: "theory" is configs/theory.py (3 runs, β = 0, 0.5, 1; P=8 M=8 d=64 d_qk=16 d_h=64);
+"large" is one run (β = 1) with P·M ≥ 1e5 rows in the stacked Z (default P=4096 M=25 d=16, d_qk=8,
+d_h=32). Times are medians over `--repeats` round-robin repeats (order rotated each repeat) of
+`--calls` calls each (K-step calls: calls/K), shown per step; the overhead is median(probed) /
+median(plain) − 1. Target: ≤ 10%. K is configs/theory.py's train.log_every for "theory" and 10
+for "large" (`--log-every`).
+
+OPENBLAS_NUM_THREADS is 1 unless `--openblas-threads` says otherwise: jaxlib's CPU LAPACK (the
+probe's QR and SVD) runs on OpenBLAS, whose own threads fight XLA's for the cores. On a 2-core
+machine the tall QR of the large size's 102,400×16 Z took ~6 ms with 1 OpenBLAS thread and
+~180 ms with OpenBLAS's default, even on one device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+from pathlib import Path
+
+
+def _early_flags(argv: list[str]) -> None:
+    """--devices and --openblas-threads must be applied before JAX (and its LAPACK) load."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--devices", type=int, default=0)
+    parser.add_argument("--openblas-threads", type=int, default=1)
+    known, _ = parser.parse_known_args(argv)
+    if known.devices > 1:
+        flag = f"--xla_force_host_platform_device_count={known.devices}"
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+    if known.openblas_threads > 0:
+        os.environ["OPENBLAS_NUM_THREADS"] = str(known.openblas_threads)
+
+
+_early_flags(sys.argv[1:])
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import ml_collections  # noqa: E402
+
+from benchmarks import common  # noqa: E402
+from resconv_jax import probe, sharding  # noqa: E402
+from resconv_jax.config_defaults import load_config_file  # noqa: E402
+from resconv_jax.models import transformer  # noqa: E402
+from resconv_jax.step import init_opt_state, make_step_functions  # noqa: E402
+
+THEORY_BETAS = (0.0, 0.5, 1.0)
+
+
+def large_size(spec: str) -> common.Size:
+    """'P,M,d' -> a one-run size with d_qk = d/2, d_h = 2d, d_y = 1."""
+    p, m, d = (int(v) for v in spec.split(","))
+    return common.Size("large", P=p, M=m, d=d, d_qk=max(d // 2, 1), d_h=2 * d, d_y=1, lr=1e-6)
+
+
+class Problem:
+    """A train state, data and hparams for `betas` runs of `size`, placed as train.run does."""
+
+    def __init__(self, size: common.Size, betas, mesh_data: int):
+        self.size = size
+        self.betas = tuple(betas)
+        mesh_cfg = ml_collections.ConfigDict({"sweep": 0, "data": mesh_data})
+        self.mesh = sharding.make_mesh(len(betas), size.P, mesh_cfg)
+        on_runs = sharding.run_sharding(self.mesh)
+        put_data = functools.partial(sharding.put, sharding=sharding.data_sharding(self.mesh))
+        x, y = common.make_data(size)
+        self.x, self.y = put_data(x), put_data(y)
+        self.graphdef, params0 = transformer.init_params(common.model_config(size), 0)
+        self.optimizer = common.optimizer_for(size)
+        params = jax.tree.map(lambda a: jnp.stack([a] * len(betas)), params0)
+        lrs = jnp.full((len(betas),), size.lr, jnp.float32)
+        state = {"params": params, "opt_state": init_opt_state(self.optimizer, params, lrs)}
+        self.state = sharding.put_tree(state, on_runs)
+        b = jnp.asarray(betas, jnp.float32)
+        self.hp = sharding.put_tree({"beta_attn": b, "beta_ffn": b}, on_runs)
+        self.state_sharding = jax.tree.map(lambda _: on_runs, self.state)
+
+    def fns(self, probed: bool, steps_per_call: int = 1):
+        probe_fn = functools.partial(probe.probe_attention, mesh=self.mesh) if probed else None
+        return make_step_functions(
+            self.graphdef, self.optimizer, "sum", steps_per_call, probe=probe_fn
+        )
+
+    def fresh_state(self):
+        return jax.tree.map(lambda a: jnp.array(a, copy=True), self.state)
+
+
+class Case:
+    """A compiled (state, hp, x, y[, n]) -> (state, out) that donates and replaces its state.
+
+    One call of the case is `calls` calls of the compiled function, `steps` GD steps each."""
+
+    def __init__(self, problem: Problem, fn, num_steps: int | None, calls: int):
+        self.calls, self.steps = calls, num_steps or 1
+        self.state = problem.fresh_state()
+        self.args = (problem.hp, problem.x, problem.y)
+        if num_steps is not None:
+            self.args += (jnp.int32(num_steps),)
+        jitted = jax.jit(fn, donate_argnums=0, out_shardings=(problem.state_sharding, None))
+        self.compiled = jitted.lower(self.state, *self.args).compile()
+
+    def __call__(self):
+        out = None
+        for _ in range(self.calls):
+            self.state, out = self.compiled(self.state, *self.args)
+        return self.state, out
+
+
+def run_steps_case(problem: Problem, probed: bool, calls: int, steps: int) -> Case:
+    """`run_steps` doing `steps` steps per call (compiled for steps_per_call = steps)."""
+    return Case(problem, problem.fns(probed, steps).run_steps, steps, calls)
+
+
+def compute_case(problem: Problem, probed: bool, calls: int) -> Case:
+    """One vmapped step, plus the probe of its intermediates when `probed`: nothing else."""
+    fns = problem.fns(False)
+    probe_fn = functools.partial(probe.probe_attention, mesh=problem.mesh)
+
+    def one_step(state, hp, x, y):
+        state, metrics, inter = fns.step(state, hp, x, y)
+        if probed:
+            metrics = metrics | probe_fn(inter["attn"], inter["z"])
+        return state, metrics
+
+    return Case(problem, one_step, None, calls)
+
+
+def measure(problem: Problem, repeats: int, calls: int, log_every: int) -> list[list[object]]:
+    """Rows of the table for one size: per-step times without and with the probe."""
+    kinds = {
+        "run_steps, 1 step/call": lambda probed: run_steps_case(problem, probed, calls, 1),
+        "compute: step (+ probe)": lambda probed: compute_case(problem, probed, calls),
+        f"run_steps, {log_every} steps/call (train)": lambda probed: run_steps_case(
+            problem, probed, max(1, calls // log_every), log_every
+        ),
+    }
+    rows = []
+    for kind, build in kinds.items():
+        cases = {"plain": build(False), "probed": build(True)}
+        out = cases["probed"]()[1]
+        assert "z/sigma_min" in out, sorted(out)  # the probe is really in the compiled step
+        times = common.interleave(cases, repeats)
+        plain, probed = (
+            common.median(times[k]) / (cases[k].calls * cases[k].steps) for k in ("plain", "probed")
+        )
+        rows.append(
+            [
+                problem.size.name,
+                len(problem.betas),
+                f"{problem.size.P * problem.size.M:,}×{problem.size.d}",
+                kind,
+                common.fmt_time(plain),
+                common.fmt_time(probed),
+                f"{100 * (probed / plain - 1):+.1f}%",
+                f"{common.spread(times['plain'])} / {common.spread(times['probed'])}",
+            ]
+        )
+        print("  " + " | ".join(str(c) for c in rows[-1]), flush=True)
+    return rows
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="theory,large", help="comma list of: theory, large")
+    p.add_argument("--large", default="4096,25,16", help="P,M,d of the large size (one run)")
+    p.add_argument("--repeats", type=int, default=0, help="interleaved repeats (0: 15 / 5)")
+    p.add_argument("--calls", type=int, default=0, help="calls per timing (0: 20 / 1)")
+    p.add_argument("--devices", type=int, default=0, help="virtual CPU devices (set before JAX)")
+    p.add_argument(
+        "--openblas-threads",
+        type=int,
+        default=1,
+        help="OPENBLAS_NUM_THREADS for jaxlib's LAPACK (0: leave the environment's)",
+    )
+    p.add_argument("--mesh-data", type=int, default=0, help="'data' mesh axis (0: largest)")
+    p.add_argument(
+        "--log-every", type=int, default=0, help="steps per call as in training (0: config's)"
+    )
+    args = p.parse_args(argv)
+
+    print(common.machine())
+    print(f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', '(unset)')}")
+    print(f"load average before: {common.load_average()}")
+    rows = []
+    for name in [s.strip() for s in args.sizes.split(",") if s.strip()]:
+        if name == "theory":
+            size, betas, calls, repeats = common.theory_size(), THEORY_BETAS, 20, 15
+            log_every = load_config_file(str(common.REPO / "configs" / "theory.py")).train.log_every
+        elif name == "large":
+            size, betas, calls, repeats = large_size(args.large), (1.0,), 1, 5
+            log_every = 10
+        else:
+            raise SystemExit(f"unknown size {name!r}; expected theory or large")
+        problem = Problem(size, betas, args.mesh_data)
+        print(f"{name}: {size.describe()}, {len(betas)} run(s), mesh {dict(problem.mesh.shape)}")
+        rows += measure(
+            problem, args.repeats or repeats, args.calls or calls, args.log_every or log_every
+        )
+    print(f"load average after: {common.load_average()}")
+    print()
+    headers = [
+        "size",
+        "runs",
+        "stacked Z",
+        "timed",
+        "no probe",
+        "with probe",
+        "overhead",
+        "IQR plain / probed",
+    ]
+    print(common.table(headers, rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -183,8 +183,12 @@ class Case:
         self.loop_steps = loop_steps
         n = (jnp.int32(loop_steps),) if loop_steps else ()
         self.args = [(r.hp, r.x, r.y, *n) for r in self.runs_list]
+
+        def fresh(*args):  # a new function object: jit's trace cache must not serve another
+            return fn(*args)  # case's trace (a model candidate only shows while tracing)
+
         with context() if context else contextlib.nullcontext():
-            lowered = jax.jit(fn, donate_argnums=0).lower(self.states[0], *self.args[0])
+            lowered = jax.jit(fresh, donate_argnums=0).lower(self.states[0], *self.args[0])
             self.compiled = lowered.compile()
 
     def __call__(self, num_steps: int | None = None):

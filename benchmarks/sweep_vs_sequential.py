@@ -27,6 +27,9 @@ Candidates (`--candidates`, '+'-joined parts), timed next to the library in the 
   qkv   one x @ [W_Q W_K W_V] product instead of three.
   map   the runs stepped one after another inside the program (`jax.lax.map` over the run axis;
         mapB: B runs at a time, vmapped), so that the working set is one run's.
+  plain the original formulation (plain matmuls, jax.nn.softmax), to compare against a library
+        that already has the tn/sm/qkv patch; libchunkB: the library's own
+        `make_step_functions(..., runs_per_chunk=B)`, where it exists (the patched step.py).
 `--malloc-no-mmap` makes glibc serve large allocations from the heap (no mmap/munmap per call):
 XLA's temporary buffer of the vmapped Jena-size step (~45 MB) exceeds glibc's largest mmap
 threshold (32 MB), so every call otherwise faults in fresh pages. It is process-wide: compare two
@@ -151,19 +154,21 @@ class Variant(NamedTuple):
     tn: bool = False  # tn_matmul / tn_matmul_nt for every matmul
     sm: bool = False  # softmax_rows for the attention softmax
     qkv: bool = False  # one x @ [W_Q W_K W_V] product instead of three
+    plain: bool = False  # the original formulation (for a library that has the patch applied)
     chunk: int = 0  # 0: vmap over all runs; B: jax.lax.map over the runs, B at a time
     lib_chunk: int = 0  # B: the library's own make_step_functions(runs_per_chunk=B), if it has it
 
     @property
     def model(self) -> bool:
-        return self.tn or self.sm or self.qkv
+        return self.tn or self.sm or self.qkv or self.plain
 
 
 def parse_variant(name: str) -> Variant:
-    """'library', or '+'-joined parts 'tn', 'sm', 'qkv', 'map' / 'mapB' (e.g. 'tn+sm+map')."""
+    """'library', or '+'-joined parts 'tn', 'sm', 'qkv', 'plain', 'map' / 'mapB', 'libchunkB'
+    (e.g. 'tn+sm+qkv+map')."""
     v = Variant()
     for part in name.split("+"):
-        if part in ("tn", "sm", "qkv"):
+        if part in ("tn", "sm", "qkv", "plain"):
             v = v._replace(**{part: True})
         elif part.startswith("map") and (part[3:] == "" or part[3:].isdigit()):
             v = v._replace(chunk=int(part[3:] or 1))
@@ -171,7 +176,7 @@ def parse_variant(name: str) -> Variant:
             v = v._replace(lib_chunk=int(part[8:]))
         elif part != "library":
             raise SystemExit(
-                f"unknown candidate {name!r} (parts: tn, sm, qkv, map, mapB, libchunkB)"
+                f"unknown candidate {name!r} (parts: tn, sm, qkv, plain, map, mapB, libchunkB)"
             )
     return v
 
@@ -311,6 +316,12 @@ def build_cases(size, candidates, loop_steps):
     return cases
 
 
+def single_runs_of(variant: str) -> str:
+    """The variant whose 5xR=1 steps an R=5 variant replaces: the same model, no chunking."""
+    parts = [p for p in variant.split("+") if not p.startswith(("map", "libchunk"))]
+    return "+".join(parts) or "library"
+
+
 def check_candidates(cases, steps: int, rtol: float) -> list[str]:
     """After `steps` steps from the same start, every loop case's losses equal those of the
     library's five single runs (to `rtol`); returns report lines."""
@@ -356,7 +367,10 @@ def bench_steps(args) -> str:
                     continue
                 variant, label, _ = key
                 ratio = base / per_step[key]
-                target = ("yes" if ratio >= 1.0 else "no") if label == "R=5" else ""
+                own, own_ratio, target = single_runs_of(variant), "", ""
+                if label == "R=5" and (own, "5xR=1", mode) in per_step:
+                    r = per_step[(own, "5xR=1", mode)] / per_step[key]
+                    own_ratio, target = f"{r:.2f}x ({own})", "yes" if r >= 1.0 else "no"
                 rows.append(
                     [
                         f"{mode} (K={k})" if mode == "loop" else "call (1 step)",
@@ -365,6 +379,7 @@ def bench_steps(args) -> str:
                         common.fmt_time(per_step[key]),
                         common.spread(times[key]),
                         f"{ratio:.2f}x",
+                        own_ratio,
                         target,
                     ]
                 )
@@ -374,10 +389,20 @@ def bench_steps(args) -> str:
             f"{args.repeats} interleaved repeats; compiled {len(cases)} functions in "
             f"{compile_s:.0f} s; load average {common.load_average()}.\n"
             "Time is per training step of all 5 runs (R=5: one vmapped step; 5xR=1: five single "
-            "steps). 'speed vs 5xR=1' = library 5xR=1 time / this time (>= 1: no slower than "
-            "the five single steps it replaces).\n\n"
+            "steps). 'vs library 5xR=1' = library 5xR=1 time / this time; 'vs own 5xR=1' = "
+            "time of the five single steps this R=5 step replaces (same model code) / this time; "
+            "target: the latter >= 1.\n\n"
             + common.table(
-                ["mode", "variant", "runs", "time / step", "IQR", "speed vs 5xR=1", "target"],
+                [
+                    "mode",
+                    "variant",
+                    "runs",
+                    "time / step",
+                    "IQR",
+                    "vs library 5xR=1",
+                    "vs own 5xR=1",
+                    "target",
+                ],
                 rows,
             )
         )
@@ -407,7 +432,7 @@ def bench_steps(args) -> str:
 # Whole commands.
 
 
-def command(betas, workdir: str, steps: int | None) -> list[str]:
+def command(betas, workdir: str, steps: int | None, extra=()) -> list[str]:
     beta = "(" + ",".join(repr(float(b)) for b in betas) + ("," if len(betas) == 1 else "") + ")"
     cmd = [
         sys.executable,
@@ -419,7 +444,7 @@ def command(betas, workdir: str, steps: int | None) -> list[str]:
     ]
     if steps is not None:
         cmd.append(f"--config.train.num_steps={steps}")
-    return cmd
+    return cmd + list(extra)
 
 
 def run_command(cmd: list[str]) -> tuple[float, float]:
@@ -447,7 +472,7 @@ def bench_commands(args) -> str:
                 wall = compile_s = 0.0
                 for i, betas in enumerate(betas_list):
                     wd = os.path.join(root, f"{which}{r}_{i}")
-                    w, c = run_command(command(betas, wd, args.cmd_steps))
+                    w, c = run_command(command(betas, wd, args.cmd_steps, args.cmd_flag))
                     wall, compile_s = wall + w, compile_s + c
                 walls[which].append(wall)
                 compiles[which].append(compile_s)
@@ -470,7 +495,9 @@ def bench_commands(args) -> str:
     ]
     met = "met" if singles / sweep >= 3 else "NOT met"
     text = (
-        f"### Whole commands, configs/theory.py, {steps} steps per run, beta in {SWEEP_BETAS}\n\n"
+        f"### Whole commands, configs/theory.py, {steps} steps per run, beta in {SWEEP_BETAS}"
+        + (f", extra flags {' '.join(args.cmd_flag)}" if args.cmd_flag else "")
+        + "\n\n"
         f"{args.cmd_repeats} repeat(s), order alternated; each command a fresh process and "
         f"workdir; load average {common.load_average()}. 'compile' is the sum of the "
         "'compiled in' times the commands print (part of the wall time).\n\n"
@@ -500,7 +527,7 @@ def main(argv=None) -> None:
     p.add_argument(
         "--candidates",
         default="tn+sm+qkv,tn+sm+qkv+map",
-        help="comma list of '+'-joined parts tn, sm, qkv, map, mapB ('' for none)",
+        help="comma list of '+'-joined parts (module docstring); '' for none",
     )
     p.add_argument("--rtol", type=float, default=1e-5, help="loss agreement required")
     p.add_argument("--check-steps", type=int, default=10, help="steps before the loss check")
@@ -509,6 +536,12 @@ def main(argv=None) -> None:
     p.add_argument("--cmd-repeats", type=int, default=1)
     p.add_argument(
         "--cmd-steps", type=int, default=None, help="train.num_steps (default: the config's)"
+    )
+    p.add_argument(
+        "--cmd-flag",
+        action="append",
+        default=[],
+        help="extra flag for every command, e.g. --cmd-flag=--config.theory.every=0 (repeatable)",
     )
     p.add_argument("--output", default="", help="also write the tables (Markdown) here")
     args = p.parse_args(argv)

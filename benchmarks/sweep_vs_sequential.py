@@ -1,6 +1,6 @@
 """A 5-run β sweep as one program against the same 5 runs one after another.
 
-    python -m benchmarks.sweep_vs_sequential                # both parts, small defaults (~2 min)
+    python -m benchmarks.sweep_vs_sequential                # both parts, small defaults (~2.5 min)
     python -m benchmarks.sweep_vs_sequential --part commands --cmd-repeats 3
     python -m benchmarks.sweep_vs_sequential --part steps --repeats 9 \
         --candidates tn,sm,tn+sm+qkv,map,tn+sm+qkv+map --dump-hlo /tmp/hlo

@@ -85,8 +85,8 @@ def _init_params(model_cfg, runs) -> dict:
     return jax.tree.map(lambda *leaves: jnp.stack(leaves), *params)
 
 
-def _init_state(config, model_cfg, runs, optimizer):
-    params = _init_params(model_cfg, runs)
+def _init_state(params, runs, optimizer):
+    """Train state from stacked initial params (R, ...), with each run's step size."""
     lrs = jnp.asarray([run.lr for run in runs], jnp.float32)
     return {"params": params, "opt_state": init_opt_state(optimizer, params, lrs)}
 
@@ -96,8 +96,8 @@ def _loss_scale(config, y: np.ndarray) -> float:
     return 1.0 if config.optim.reduction == "sum" else 1.0 / y.size
 
 
-def _jacobian_fits(config, x: np.ndarray, y: np.ndarray, model_cfg) -> bool:
-    params = transformer.init_params(model_cfg, 0)[1]
+def _jacobian_fits(config, y: np.ndarray, params: dict) -> bool:
+    """Whether J (y.size outputs × the parameters of one run) fits theory.max_jacobian_entries."""
     num_params = sum(np.size(leaf) for leaf in jax.tree.leaves(params))
     return y.size * num_params <= config.theory.max_jacobian_entries
 
@@ -151,7 +151,8 @@ def run(config, workdir: str) -> list[dict]:
     x_np, y_np = dataset.x_train, dataset.y_train
     model_cfg = transformer.model_config(config.model, d=x_np.shape[-1], d_y=y_np.shape[-1])
     mesh = sharding.make_mesh(len(runs), x_np.shape[0], config.mesh)
-    kernel_fits = _jacobian_fits(config, x_np, y_np, model_cfg)
+    graphdef, one_run_params = transformer.init_params(model_cfg, runs[0].seed)
+    kernel_fits = _jacobian_fits(config, y_np, one_run_params)
     if config.optim.lr_rule == "lambda_max" and not kernel_fits:
         raise ConfigError(
             "config.optim.lr_rule=lambda_max needs the Jacobian to fit "
@@ -171,7 +172,6 @@ def run(config, workdir: str) -> list[dict]:
     on_runs = sharding.run_sharding(mesh)
     hp = sharding.put_tree(run_hparams(runs), on_runs)
     optimizer = make_optimizer(config.optim)
-    graphdef = transformer.init_params(model_cfg, 0)[0]
     train = config.train
     probe_fn = None
     if config.probe.enabled:
@@ -193,9 +193,10 @@ def run(config, workdir: str) -> list[dict]:
             f"exceeds theory.max_jacobian_entries={config.theory.max_jacobian_entries}",
             flush=True,
         )
+    params = _init_params(model_cfg, runs)
     if config.optim.lr_rule == "lambda_max":
-        runs = _with_kernel_lrs(config, runs, kernel, _init_params(model_cfg, runs), hp, x)
-    state = sharding.put_tree(_init_state(config, model_cfg, runs, optimizer), on_runs)
+        runs = _with_kernel_lrs(config, runs, kernel, params, hp, x)
+    state = sharding.put_tree(_init_state(params, runs, optimizer), on_runs)
 
     checkpointer = Checkpointer(
         workdir,

@@ -57,7 +57,9 @@ def final_params(config, workdir) -> dict:
     model_cfg = transformer.model_config(
         config.model, d=data.x_train.shape[-1], d_y=data.y_train.shape[-1]
     )
-    abstract = train._init_state(config, model_cfg, runs, make_optimizer(config.optim))
+    abstract = train._init_state(
+        train._init_params(model_cfg, runs), runs, make_optimizer(config.optim)
+    )
     checkpointer = Checkpointer(str(workdir), every=1, keep=1, use_async=False)
     try:
         step, state, _ = checkpointer.restore_latest(abstract)
@@ -179,7 +181,9 @@ def test_compiled_training_step_moves_no_z_sized_array(mesh_shape, num_runs):
     on_runs = sharding.run_sharding(mesh)
     hp = sharding.put_tree(run_hparams(runs), on_runs)
     optimizer = make_optimizer(config.optim)
-    state = sharding.put_tree(train._init_state(config, model_cfg, runs, optimizer), on_runs)
+    state = sharding.put_tree(
+        train._init_state(train._init_params(model_cfg, runs), runs, optimizer), on_runs
+    )
     graphdef = transformer.init_params(model_cfg, 0)[0]
     num_params = sum(leaf[0].size for leaf in jax.tree.leaves(state["params"]))
 

@@ -67,7 +67,7 @@ def test_same_seed_gives_same_initialization_whatever_beta():
     runs = train.expand_runs(config)
     model_cfg = train.transformer.model_config(config.model, d=32, d_y=1)
     optimizer = train.make_optimizer(config.optim)
-    params = train._init_state(config, model_cfg, runs, optimizer)["params"]
+    params = train._init_state(train._init_params(model_cfg, runs), runs, optimizer)["params"]
     w_q = np.asarray(params["blocks"][0]["w_q"])
     assert [(r.seed, r.beta_attn) for r in runs[:4]] == [(0, 0.0), (0, 0.5), (0, 1.0), (1, 0.0)]
     np.testing.assert_array_equal(w_q[0], w_q[2])

@@ -56,6 +56,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.checkpoint_every = 100  # steps between checkpoints (a multiple of log_every)
     c.train.keep_checkpoints = 3  # how many recent checkpoints to keep
     c.train.async_checkpoints = True  # write checkpoints in the background
+    # Runs stepped together: 0: all (one vmapped step); n > 0: n at a time (lax.map over chunks of
+    # runs, same results, one chunk's working set; 1-device meshes only); -1: auto, chunks on a
+    # 1-device CPU mesh when the step's temporaries for all runs exceed 16 MiB (cache-sized).
+    c.train.runs_per_chunk = -1
 
     c.sweep = ml_collections.ConfigDict()
     # Runs are the product of the non-empty lists below; an empty list uses the single value above.
@@ -66,9 +70,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.sweep.lr = ()  # step sizes
 
     c.probe = ml_collections.ConfigDict()
-    # Spectral probe of Attn(X) and Z at every log step (train.log_every), from that step's own
-    # forward pass; its values go to metrics.jsonl and TensorBoard.
+    # Spectral probe of Attn(X) and Z, from the probed step's own forward pass; its values go to
+    # metrics.jsonl and TensorBoard.
     c.probe.enabled = True
+    c.probe.every = 0  # steps between probes, a multiple of train.log_every; 0: every log step
+    c.probe.per_sample = True  # also min_p σ_min(Z_p), min_p σ_min(Attn(X_p)) (one SVD per sample)
     c.probe.dtype = "float32"  # "float32", or "float64" where JAX_ENABLE_X64 is set
 
     c.theory = ml_collections.ConfigDict()

@@ -5,7 +5,7 @@ thread pool and block until the tasks finish. When every pool thread is itself b
 call (several devices, or concurrent kernels, on a 2-core machine) nothing runs the tasks and the
 program hangs. A batch whose work is below the kernels' ~2e5 FLOP task threshold, or a single
 matrix, runs inline on the calling thread, so `small_batches` feeds LAPACK such batches through
-`lax.map`. On GPU and TPU this only costs a short loop.
+`lax.map`. Other backends get the whole batch in one call.
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ def small_batches(fn: Callable, x: jax.Array):
     """
     *batch, m, n = x.shape
     flat = x.reshape(-1, m, n)
-    size = max(1, INLINE_FLOP // max(m * n * min(m, n), 1))
-    out = jax.lax.map(fn, flat, batch_size=min(size, flat.shape[0]))
+    if jax.default_backend() != "cpu":
+        out = jax.vmap(fn)(flat)
+    else:
+        size = max(1, INLINE_FLOP // max(m * n * min(m, n), 1))
+        out = jax.lax.map(fn, flat, batch_size=min(size, flat.shape[0]))
     return jax.tree.map(lambda o: o.reshape(*batch, *o.shape[1:]), out)

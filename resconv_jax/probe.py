@@ -45,11 +45,14 @@ def _tsqr_singular_values(x: jax.Array, axis_name: str | None) -> jax.Array:
 
     k = min(n_shards·min(N_local, d), d) ≥ min(N, d); the caller keeps the first min(N, d).
     """
+    if axis_name is None and x.shape[-2] <= x.shape[-1]:  # all rows local and not tall: no QR
+        return small_batches(singular_values, x)
     qr_r = functools.partial(jnp.linalg.qr, mode="r")
     r = small_batches(qr_r, x)  # (..., min(N_local, d), d): a short R when N_local < d
-    if axis_name is not None:
-        r = jax.lax.all_gather(r, axis_name, axis=r.ndim - 2, tiled=True, to="invarying")
-        r = small_batches(qr_r, r)  # (..., ≤ d, d)
+    if axis_name is None:
+        return small_batches(singular_values, r)
+    r = jax.lax.all_gather(r, axis_name, axis=r.ndim - 2, tiled=True, to="invarying")
+    r = small_batches(qr_r, r)  # (..., ≤ d, d)
     return small_batches(singular_values, r)
 
 
@@ -140,23 +143,33 @@ def spectral_stats(sv: jax.Array, n_rows: int, n_cols: int) -> dict[str, jax.Arr
 
 
 def probe_attention(
-    attn: jax.Array, z: jax.Array, mesh: jax.sharding.Mesh | None = None, *, dtype=jnp.float32
+    attn: jax.Array,
+    z: jax.Array,
+    mesh: jax.sharding.Mesh | None = None,
+    *,
+    dtype=jnp.float32,
+    per_sample: bool = True,
 ) -> dict[str, jax.Array]:
     """Per-step spectral metrics of the stacked Attn(X) and Z = Attn(X) + β X, per run and layer.
 
     Args:
       attn, z: (R, L, P, M, d), sharded P('sweep', None, 'data') when ``mesh`` is given. Call inside
         jit; the run axis is explicit (not under vmap).
+      per_sample: also min_p σ_min of each sample's (M, d) matrix: one small SVD per sample, by far
+        the larger part of the probe's cost when P is large.
     Returns:
       dict of (R, L) arrays keyed '{attn,z}/{sigma_max, sigma_min, kappa, sigma_min_over_fro, rank,
-      sample_sigma_min}'. The stacked matrices are (P·M, d); σ_min is their min(P·M, d)-th value.
+      sample_sigma_min}' (the last only with per_sample). The stacked matrices are (P·M, d); σ_min
+      is their min(P·M, d)-th value.
     """
     _, _, n_samples, m, d = z.shape
+    parts = ("stacked", "sample") if per_sample else ("stacked",)
     out = {}
     for name, x in (("attn", attn), ("z", z)):
-        sv, sample_min = _probe(x, mesh, dtype, ("stacked", "sample"))
+        sv, *sample_min = _probe(x, mesh, dtype, parts)
         stats = spectral_stats(sv, n_samples * m, d)
-        stats["sample_sigma_min"] = sample_min
+        if per_sample:
+            stats["sample_sigma_min"] = sample_min[0]
         out.update({f"{name}/{key}": value for key, value in stats.items()})
     return out
 

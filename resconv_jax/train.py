@@ -135,6 +135,61 @@ def _with_kernel_lrs(config, runs, kernel: _Kernel, params, hp, x):
     return [dataclasses.replace(run, lr=float(lr)) for run, lr in zip(runs, lrs, strict=True)]
 
 
+CPU_CHUNK_BYTES = 16 << 20  # runs_per_chunk=-1: chunk the runs when all of them need more
+
+
+class _Runners:
+    """The compiled `run_steps` of a chunk of train.log_every steps, with and without the probe.
+
+    The probe runs on chunks that start at a multiple of probe.every (every chunk for 0); the
+    steps, losses and parameters are the same either way.
+    """
+
+    def __init__(self, make_fns, probe_fn, config, mesh, args):
+        self.probe_every = config.probe.every if probe_fn is not None else 0
+        self.runs_per_chunk = _runs_per_chunk(config.train.runs_per_chunk, mesh)
+        self._compile = functools.partial(self._compile_fns, make_fns, config, mesh, args)
+        probed = self._compile(probe_fn)
+        if config.train.runs_per_chunk == -1 and self.runs_per_chunk == 0 and mesh.size == 1:
+            num_runs = args[1]["beta_attn"].shape[0]
+            temp = probed.memory_analysis().temp_size_in_bytes
+            if jax.default_backend() == "cpu" and num_runs > 1 and temp > CPU_CHUNK_BYTES:
+                self.runs_per_chunk = max(1, num_runs * CPU_CHUNK_BYTES // temp)
+                probed = self._compile(probe_fn)
+        self._probed = probed
+        self._plain = self._compile(None) if self.probe_every else probed
+
+    def _compile_fns(self, make_fns, config, mesh, args, probe_fn):
+        state, hp, x, y = args
+        fns = make_fns(probe=probe_fn, runs_per_chunk=self.runs_per_chunk)
+        on_runs = jax.tree.map(lambda _: sharding.run_sharding(mesh), state)
+        return (
+            jax.jit(fns.run_steps, donate_argnums=0, out_shardings=(on_runs, None))
+            .lower(state, hp, x, y, jnp.int32(config.train.log_every))
+            .compile()
+        )
+
+    @property
+    def description(self) -> str:
+        return f", {self.runs_per_chunk} runs at a time" if self.runs_per_chunk else ""
+
+    def at(self, step: int):
+        """The compiled chunk function for the chunk starting at `step`."""
+        if not self.probe_every or step % self.probe_every == 0:
+            return self._probed
+        return self._plain
+
+
+def _runs_per_chunk(requested: int, mesh) -> int:
+    """train.runs_per_chunk checked against the mesh (-1 resolves to 0 here; see _Runners)."""
+    if requested > 0 and mesh.size > 1:
+        raise ConfigError(
+            f"config.train.runs_per_chunk={requested} needs a 1-device mesh (this one is "
+            f"{dict(mesh.shape)}); use 0 to step all runs together"
+        )
+    return max(requested, 0)
+
+
 def run(config, workdir: str) -> list[dict]:
     """Trains every run of `config`'s sweep in `workdir` (resuming there if possible).
 
@@ -151,6 +206,7 @@ def run(config, workdir: str) -> list[dict]:
     x_np, y_np = dataset.x_train, dataset.y_train
     model_cfg = transformer.model_config(config.model, d=x_np.shape[-1], d_y=y_np.shape[-1])
     mesh = sharding.make_mesh(len(runs), x_np.shape[0], config.mesh)
+    _runs_per_chunk(config.train.runs_per_chunk, mesh)
     graphdef, one_run_params = transformer.init_params(model_cfg, runs[0].seed)
     kernel_fits = _jacobian_fits(config, y_np, one_run_params)
     if config.optim.lr_rule == "lambda_max" and not kernel_fits:
@@ -175,15 +231,16 @@ def run(config, workdir: str) -> list[dict]:
     train = config.train
     probe_fn = None
     if config.probe.enabled:
-        dtype = jnp.dtype(config.probe.dtype)
-        probe_fn = functools.partial(probe.probe_attention, mesh=mesh, dtype=dtype)
-    fns = make_step_functions(
-        graphdef,
-        optimizer,
-        config.optim.reduction,
-        train.log_every,
-        probe=probe_fn,
+        probe_fn = functools.partial(
+            probe.probe_attention,
+            mesh=mesh,
+            dtype=jnp.dtype(config.probe.dtype),
+            per_sample=config.probe.per_sample,
+        )
+    make_fns = functools.partial(
+        make_step_functions, graphdef, optimizer, config.optim.reduction, train.log_every
     )
+    fns = make_fns(probe=probe_fn)
     kernel = None
     if (config.theory.every or config.optim.lr_rule == "lambda_max") and kernel_fits:
         kernel = _Kernel(jax.jit(fns.kernel_eigenvalues), _loss_scale(config, y_np))
@@ -211,18 +268,14 @@ def run(config, workdir: str) -> list[dict]:
         print(f"resuming from step {step} ({checkpointer.directory})", flush=True)
     writer = MetricsWriter(workdir, resume_step=step)
 
-    state_sharding = jax.tree.map(lambda _: on_runs, state)
     t0 = time.perf_counter()
-    run_steps = (
-        jax.jit(fns.run_steps, donate_argnums=0, out_shardings=(state_sharding, None))
-        .lower(state, hp, x, y, jnp.int32(train.log_every))
-        .compile()
-    )
+    runners = _Runners(make_fns, probe_fn, config, mesh, (state, hp, x, y))
     evaluate = jax.jit(fns.evaluate)
     flops = step_flops(fns.step, state, hp, x, y)
     print(
         f"{len(runs)} runs, mesh {dict(mesh.shape)}, {dataset.description}; compiled in "
-        f"{time.perf_counter() - t0:.1f}s; {flops:.3g} FLOP per step (all runs)",
+        f"{time.perf_counter() - t0:.1f}s{runners.description}; {flops:.3g} FLOP per step "
+        "(all runs)",
         flush=True,
     )
 
@@ -248,7 +301,7 @@ def run(config, workdir: str) -> list[dict]:
             certify = kernel is not None and config.theory.every and step % config.theory.every == 0
             if certify:  # the kernel needs the parameters the chunk is about to donate
                 params_at_step = jax.tree.map(jnp.copy, params_at_step)
-            state, buffers = run_steps(state, hp, x, y, jnp.int32(num))
+            state, buffers = runners.at(step)(state, hp, x, y, jnp.int32(num))
             buffers = jax.tree.map(np.asarray, buffers)
             ntk = None
             if certify and num > 1:  # before the finiteness check, which reports its λ_max

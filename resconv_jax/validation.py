@@ -32,6 +32,7 @@ NON_NEGATIVE_INTS = (
     "mesh.sweep",
     "mesh.data",
     "theory.every",
+    "probe.every",
     "theory.max_jacobian_entries",
 )
 POSITIVE_FLOATS = ("optim.lr", "optim.lr_factor")
@@ -66,6 +67,9 @@ def validate_config(config) -> None:
         if value < 0 or (value == 0 and field in POSITIVE_INTS):
             sign = "positive" if field in POSITIVE_INTS else "non-negative"
             raise ConfigError(f"config.{field}={value}: must be {sign}")
+    chunk = _get(config, "train.runs_per_chunk")
+    if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < -1):
+        raise ConfigError(f"config.train.runs_per_chunk={chunk!r}: expected an integer >= -1")
     for field in POSITIVE_FLOATS:
         if _get(config, field) is not None:
             _check_lr(f"config.{field}", _get(config, field))
@@ -81,8 +85,9 @@ def validate_config(config) -> None:
         raise ConfigError("config.sweep.beta sets both residuals: leave beta_attn/beta_ffn empty")
     log_every = config.train.log_every
     multiples = {f"train.{k}": config.train[k] for k in ("print_every", "checkpoint_every")}
-    if "theory" in config:
-        multiples["theory.every"] = config.theory.every
+    for section in ("theory", "probe"):
+        if section in config:
+            multiples[f"{section}.every"] = config[section].every
     for field, value in multiples.items():
         if value % log_every:
             raise ConfigError(

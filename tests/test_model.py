@@ -1,13 +1,14 @@
 """The model against an independent NumPy implementation of the paper's equations; one GD step."""
 
 import jax
+import jax.flatten_util
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
 from resconv_jax.config_defaults import base_config
-from resconv_jax.models import transformer
+from resconv_jax.models import fast_ops, transformer
 from resconv_jax.step import init_opt_state, make_optimizer, make_step_functions
 
 
@@ -93,3 +94,52 @@ def test_gd_step_is_params_minus_lr_grad_with_finite_difference_gradient():
         np.testing.assert_allclose(new_flat[0], flat - 0.05 * grad, rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(metrics["loss"][0], loss(flat), rtol=1e-12)
         np.testing.assert_allclose(metrics["grad_norm"][0], optax.tree.norm(grad), rtol=1e-12)
+
+
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_fast_backward_gives_the_plain_gradients_vmapped_or_not(num_layers):
+    cfg = transformer.ModelConfig(d=6, d_qk=4, d_h=12, d_y=2, num_layers=num_layers)
+    seeds = (0, 1, 2)
+    params = [transformer.init_params(cfg, seed)[1] for seed in seeds]
+    graphdef = transformer.init_params(cfg, 0)[0]
+    stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *params)
+    betas = jnp.asarray([0.0, 0.5, 1.0])
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((5, 7, 6)), jnp.float32)
+    y = jnp.asarray(rng.standard_normal((5, 7, 2)), jnp.float32)
+
+    def loss(p, beta, fast):
+        out = transformer.apply(graphdef, p, x, beta, beta, fast_backward=fast)
+        return 0.5 * jnp.sum((out - y) ** 2)
+
+    for fast_grad, plain_grad in (
+        (jax.grad(loss)(params[1], 0.5, True), jax.grad(loss)(params[1], 0.5, False)),
+        (
+            jax.vmap(jax.grad(loss), in_axes=(0, 0, None))(stacked, betas, True),
+            jax.vmap(jax.grad(loss), in_axes=(0, 0, None))(stacked, betas, False),
+        ),
+    ):
+        fast_flat = jax.flatten_util.ravel_pytree(fast_grad)[0]
+        plain_flat = jax.flatten_util.ravel_pytree(plain_grad)[0]
+        scale = float(jnp.max(jnp.abs(plain_flat)))
+        np.testing.assert_allclose(fast_flat, plain_flat, rtol=1e-5, atol=1e-6 * scale)
+
+
+def test_fast_backward_is_reverse_mode_only_and_softmax_matches():
+    cfg = transformer.ModelConfig(d=4, d_qk=2, d_h=8, d_y=1)
+    graphdef, params = transformer.init_params(cfg, seed=0)
+    x = jax.random.normal(jax.random.key(1), (3, 5, 4))
+    fast = transformer.apply(graphdef, params, x, 1.0, 1.0, fast_backward=True)
+    np.testing.assert_allclose(fast, transformer.apply(graphdef, params, x, 1.0, 1.0), rtol=1e-6)
+    with pytest.raises(TypeError, match="custom_vjp"):
+        jax.jacfwd(lambda p: transformer.apply(graphdef, p, x, 1.0, 1.0, fast_backward=True))(
+            params
+        )
+    logits = 10 * jax.random.normal(jax.random.key(2), (4, 6, 6))
+    np.testing.assert_allclose(
+        fast_ops.softmax_rows(logits), jax.nn.softmax(logits, axis=-1), rtol=1e-6, atol=1e-7
+    )
+    tangent = jax.random.normal(jax.random.key(3), logits.shape)
+    jvp_fast = jax.jvp(fast_ops.softmax_rows, (logits,), (tangent,))[1]
+    jvp_plain = jax.jvp(lambda a: jax.nn.softmax(a, axis=-1), (logits,), (tangent,))[1]
+    np.testing.assert_allclose(jvp_fast, jvp_plain, rtol=1e-5, atol=1e-6)

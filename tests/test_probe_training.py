@@ -98,6 +98,18 @@ def test_probe_leaves_losses_and_parameters_unchanged(probed_run, tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+def test_probe_every_two_log_steps_without_per_sample_values(probed_run, tmp_path):
+    _, probed = probed_run
+    sparse = tmp_path / "sparse"
+    train.run(tiny(**STEPS, **{"probe.every": 10, "probe.per_sample": False}), str(sparse))
+    records = read_metrics(str(sparse))
+    assert sorted({r["step"] for r in records if PROBE_KEYS[0] in r}) == [0, 10]
+    assert not any("sample_sigma_min" in k for r in records for k in r)
+    assert loss_column(sparse) == loss_column(probed)
+    for a, b in zip(records_at(sparse, 10), records_at(probed, 10), strict=True):
+        assert a["layer0/z/sigma_max"] == b["layer0/z/sigma_max"]
+
+
 def reference_z_singular_values(config, beta: float, seed: int) -> np.ndarray:
     """float64 singular values of the stacked (P·M, d) Z of layer 0 at initialization."""
     data = load_dataset(config)

@@ -62,6 +62,15 @@ def test_eight_devices_equal_one_device(tmp_path):
         np.testing.assert_allclose(eight[run], one[run], rtol=1e-5)
 
 
+def test_runs_stepped_a_chunk_at_a_time_equal_runs_stepped_together(tmp_path):
+    one_device = {"train.num_steps": 20, "mesh.sweep": 1, "mesh.data": 1}
+    train.run(tiny(**one_device, **{"train.runs_per_chunk": 0}), str(tmp_path / "together"))
+    train.run(tiny(**one_device, **{"train.runs_per_chunk": 2}), str(tmp_path / "chunked"))
+    together, chunked = losses_by_run(tmp_path / "together"), losses_by_run(tmp_path / "chunked")
+    for run in (0, 1, 2):
+        np.testing.assert_allclose(chunked[run], together[run], rtol=1e-6)
+
+
 def test_same_seed_gives_same_initialization_whatever_beta():
     config = tiny(**{"sweep.seed": (0, 1)})
     runs = train.expand_runs(config)
@@ -97,6 +106,9 @@ def test_diverging_run_stops_with_one_line_and_keeps_checkpoint(tmp_path):
         ({"optim.name": "lbfgs"}, "config.optim.name='lbfgs'"),
         ({"train.checkpoint_every": 7}, "multiple of train.log_every"),
         ({"mesh.sweep": 2}, "does not divide the 3 runs"),
+        ({"train.runs_per_chunk": -2}, "expected an integer >= -1"),
+        ({"train.runs_per_chunk": 1}, "needs a 1-device mesh"),
+        ({"probe.every": 7}, "config.probe.every=7: must be a multiple"),
     ],
 )
 def test_bad_config_raises_one_line_and_writes_nothing(tmp_path, overrides, expected):

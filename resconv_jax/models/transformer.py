@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from resconv_jax.models.fast_ops import matmul, matmul_nt, plain_matmul_nt, softmax_rows
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -75,20 +77,29 @@ class Block(nnx.Module):
         self.w_1 = _gaussian(rngs.params(), (cfg.d, cfg.d_h), cfg.mlp_scale, cfg.d)
         self.w_2 = _gaussian(rngs.params(), (cfg.d_h, cfg.d), cfg.mlp_scale, cfg.d_h)
 
-    def attention(self, x: jax.Array) -> jax.Array:
-        """Attn(X) for a batch: (P, M, d) -> (P, M, d)."""
-        q = x @ self.w_q[...]
-        k = x @ self.w_k[...]
-        logits = jnp.einsum("pmk,pnk->pmn", q, k) / jnp.sqrt(q.shape[-1]).astype(x.dtype)
-        return jax.nn.softmax(logits, axis=-1) @ (x @ self.w_v[...])
+    def attention(self, x: jax.Array, *, fast_backward: bool = False) -> jax.Array:
+        """Attn(X) for a batch: (P, M, d) -> (P, M, d). See `Transformer` for `fast_backward`."""
+        mm, mm_nt = (matmul, matmul_nt) if fast_backward else (jnp.matmul, plain_matmul_nt)
+        w_q, w_k, w_v = self.w_q[...], self.w_k[...], self.w_v[...]
+        d_qk = w_q.shape[1]
+        qkv = mm(x, jnp.concatenate([w_q, w_k, w_v], axis=1))  # one pass over x for Q, K, V
+        q, k, v = qkv[..., :d_qk], qkv[..., d_qk : 2 * d_qk], qkv[..., 2 * d_qk :]
+        logits = mm_nt(q, k) / jnp.sqrt(d_qk).astype(x.dtype)
+        return mm(softmax_rows(logits), v)
 
     def __call__(
-        self, x: jax.Array, beta_attn: jax.Array, beta_ffn: jax.Array
+        self,
+        x: jax.Array,
+        beta_attn: jax.Array,
+        beta_ffn: jax.Array,
+        *,
+        fast_backward: bool = False,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(P, M, d) -> (H, Attn(X), Z), each (P, M, d)."""
-        attn = self.attention(x)
+        mm = matmul if fast_backward else jnp.matmul
+        attn = self.attention(x, fast_backward=fast_backward)
         z = attn + beta_attn * x
-        h = jax.nn.relu(z @ self.w_1[...]) @ self.w_2[...] + beta_ffn * z
+        h = mm(jax.nn.relu(mm(z, self.w_1[...])), self.w_2[...]) + beta_ffn * z
         return h, attn, z
 
 
@@ -106,16 +117,19 @@ class Transformer(nnx.Module):
         beta_ffn: jax.Array | float = 1.0,
         *,
         return_intermediates: bool = False,
+        fast_backward: bool = False,
     ) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
         """F(X) for a batch: (P, M, d) -> (P, M, d_y).
 
         With `return_intermediates`, also returns {"attn": Attn(X), "z": Z}, each stacked over
-        layers as (L, P, M, d), from the same forward pass.
+        layers as (L, P, M, d), from the same forward pass. With `fast_backward`, the products
+        use `fast_ops`, whose backward pass is canonical dots (faster on XLA:CPU, above all under
+        vmap over runs); reverse mode only: jax.jvp / jax.jacfwd through it raise.
         """
         attns, zs = [], []
         h = x
         for block in self.blocks:
-            h, attn, z = block(h, beta_attn, beta_ffn)
+            h, attn, z = block(h, beta_attn, beta_ffn, fast_backward=fast_backward)
             attns.append(attn)
             zs.append(z)
         out = h @ self.w_u[...]

@@ -1,0 +1,99 @@
+"""Matrix products and softmax with hand-written derivatives that run fast on XLA:CPU.
+
+XLA:CPU sends a dot to its fast (YNNPACK) kernels only in canonical form: lhs (batch, m, k), rhs
+(batch, k, n), both row-major. The backward pass of `a @ b` is full of products contracted over the
+rows of both operands (∂W = Xᵀ G over all tokens, ∂V = Sᵀ G, ∂K = ∂logitsᵀ Q). Under `jax.vmap`
+over the runs of a sweep XLA folds the transposes into the dots' dimension numbers, the fast
+kernels reject them, and they fall back to a per-matrix loop: at P=512, M=24, d=6 the vmapped
+5-run step was 0.8× the speed of five single-run steps (benchmarks/RESULTS.md). Here the
+backward products multiply by an explicitly transposed copy, kept as a copy by an optimization
+barrier, so every backward dot is canonical, vmapped or not.
+
+`matmul` and `matmul_nt` have a custom VJP: reverse mode only. Forward-mode differentiation
+(`jax.jvp`, `jax.jacfwd`) through them raises, so the model uses them only when asked
+(`fast_backward=True`, the training loss); the tangent kernel differentiates the plain model.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _materialized_transpose(a: jax.Array) -> jax.Array:
+    """`a` (..., m, n) -> (..., n, m), as a real copy the consuming dot cannot fold away."""
+    return jax.lax.optimization_barrier(jnp.swapaxes(a, -1, -2))
+
+
+def _transposed_times(a: jax.Array, g: jax.Array) -> jax.Array:
+    """aᵀ g over the last two axes, a: (..., n, k), g: (..., n, m) -> (..., k, m), canonically.
+
+    The narrower operand is the one copied transposed; when that is g, (gᵀ a)ᵀ is computed and
+    its small (m, k) result transposed back.
+    """
+    if a.shape[-1] <= g.shape[-1]:
+        return _materialized_transpose(a) @ g
+    return _materialized_transpose(jax.lax.optimization_barrier(_materialized_transpose(g) @ a))
+
+
+@jax.custom_vjp
+def matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+    """`a @ b`: a (..., n, k) with b a weight (k, m) or batched like a (..., k, m)."""
+    return a @ b
+
+
+def _matmul_fwd(a, b):
+    return a @ b, (a, b)
+
+
+def _matmul_bwd(residuals, g):
+    a, b = residuals
+    if b.ndim == 2:  # a weight: contract over every leading axis of a, as one matrix product
+        db = _transposed_times(a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1]))
+    else:
+        db = _transposed_times(a, g)
+    return g @ jnp.swapaxes(b, -1, -2), db
+
+
+matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+@jax.custom_vjp
+def matmul_nt(a: jax.Array, b: jax.Array) -> jax.Array:
+    """`a @ bᵀ` over the last two axes (Q Kᵀ): a (..., n, k), b (..., m, k) -> (..., n, m)."""
+    return a @ jnp.swapaxes(b, -1, -2)
+
+
+def _matmul_nt_fwd(a, b):
+    return a @ jnp.swapaxes(b, -1, -2), (a, b)
+
+
+def _matmul_nt_bwd(residuals, g):
+    a, b = residuals
+    return g @ b, _transposed_times(g, a)
+
+
+matmul_nt.defvjp(_matmul_nt_fwd, _matmul_nt_bwd)
+
+
+def plain_matmul_nt(a: jax.Array, b: jax.Array) -> jax.Array:
+    """`a @ bᵀ` over the last two axes, differentiated by JAX (forward and reverse mode)."""
+    return a @ jnp.swapaxes(b, -1, -2)
+
+
+@jax.custom_jvp
+def softmax_rows(logits: jax.Array) -> jax.Array:
+    """Softmax over the last axis, differentiated as y ⊙ (ẋ − Σ y ⊙ ẋ) (forward and reverse mode).
+
+    `jax.nn.softmax` is differentiated through exp(x − max) / Σ, a longer chain of passes over the
+    (..., M, M) logits.
+    """
+    unnormalized = jnp.exp(logits - jax.lax.stop_gradient(logits.max(-1, keepdims=True)))
+    return unnormalized / unnormalized.sum(-1, keepdims=True)
+
+
+@softmax_rows.defjvp
+def _softmax_rows_jvp(primals, tangents):
+    (x,), (x_dot,) = primals, tangents
+    y = softmax_rows(x)
+    return y, y * (x_dot - jnp.sum(y * x_dot, axis=-1, keepdims=True))

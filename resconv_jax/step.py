@@ -71,6 +71,7 @@ def make_step_functions(
     *,
     probe: Callable | None = None,
     runs_per_chunk: int = 0,
+    fast_backward: bool = True,
 ) -> StepFunctions:
     """Builds the per-run loss and step, their vmaps over runs, and the on-device step loop.
 
@@ -87,6 +88,9 @@ def make_step_functions(
     vmapped within a chunk) instead of all at once: the same results, with one chunk's working
     set, which is faster on a CPU once the temporaries of all runs no longer fit in its cache.
     Single-device meshes only (the run axis must not be sharded).
+
+    `fast_backward` differentiates the training loss through `models.fast_ops` (canonical backward
+    dots; the same gradients); False differentiates the plain model, for comparisons.
     """
 
     def loss_and_intermediates(params, hp, x, y):
@@ -97,7 +101,7 @@ def make_step_functions(
             hp["beta_attn"],
             hp["beta_ffn"],
             return_intermediates=True,
-            fast_backward=True,
+            fast_backward=fast_backward,
         )
         return squared_loss(pred, y, reduction), inter
 

@@ -23,6 +23,7 @@ from resconv_jax.checkpoint import Checkpointer
 from resconv_jax.data import load_dataset
 from resconv_jax.metrics import MetricsWriter, progress_line, step_flops
 from resconv_jax.models import transformer
+from resconv_jax.runners import ChunkRunners, check_runs_per_chunk
 from resconv_jax.step import init_opt_state, make_optimizer, make_step_functions
 from resconv_jax.summary import run_summaries
 from resconv_jax.sweep import expand_runs, run_hparams
@@ -135,61 +136,6 @@ def _with_kernel_lrs(config, runs, kernel: _Kernel, params, hp, x):
     return [dataclasses.replace(run, lr=float(lr)) for run, lr in zip(runs, lrs, strict=True)]
 
 
-CPU_CHUNK_BYTES = 16 << 20  # runs_per_chunk=-1: chunk the runs when all of them need more
-
-
-class _Runners:
-    """The compiled `run_steps` of a chunk of train.log_every steps, with and without the probe.
-
-    The probe runs on chunks that start at a multiple of probe.every (every chunk for 0); the
-    steps, losses and parameters are the same either way.
-    """
-
-    def __init__(self, make_fns, probe_fn, config, mesh, args):
-        self.probe_every = config.probe.every if probe_fn is not None else 0
-        self.runs_per_chunk = _runs_per_chunk(config.train.runs_per_chunk, mesh)
-        self._compile = functools.partial(self._compile_fns, make_fns, config, mesh, args)
-        probed = self._compile(probe_fn)
-        if config.train.runs_per_chunk == -1 and self.runs_per_chunk == 0 and mesh.size == 1:
-            num_runs = args[1]["beta_attn"].shape[0]
-            temp = probed.memory_analysis().temp_size_in_bytes
-            if jax.default_backend() == "cpu" and num_runs > 1 and temp > CPU_CHUNK_BYTES:
-                self.runs_per_chunk = max(1, num_runs * CPU_CHUNK_BYTES // temp)
-                probed = self._compile(probe_fn)
-        self._probed = probed
-        self._plain = self._compile(None) if self.probe_every else probed
-
-    def _compile_fns(self, make_fns, config, mesh, args, probe_fn):
-        state, hp, x, y = args
-        fns = make_fns(probe=probe_fn, runs_per_chunk=self.runs_per_chunk)
-        on_runs = jax.tree.map(lambda _: sharding.run_sharding(mesh), state)
-        return (
-            jax.jit(fns.run_steps, donate_argnums=0, out_shardings=(on_runs, None))
-            .lower(state, hp, x, y, jnp.int32(config.train.log_every))
-            .compile()
-        )
-
-    @property
-    def description(self) -> str:
-        return f", {self.runs_per_chunk} runs at a time" if self.runs_per_chunk else ""
-
-    def at(self, step: int):
-        """The compiled chunk function for the chunk starting at `step`."""
-        if not self.probe_every or step % self.probe_every == 0:
-            return self._probed
-        return self._plain
-
-
-def _runs_per_chunk(requested: int, mesh) -> int:
-    """train.runs_per_chunk checked against the mesh (-1 resolves to 0 here; see _Runners)."""
-    if requested > 0 and mesh.size > 1:
-        raise ConfigError(
-            f"config.train.runs_per_chunk={requested} needs a 1-device mesh (this one is "
-            f"{dict(mesh.shape)}); use 0 to step all runs together"
-        )
-    return max(requested, 0)
-
-
 def run(config, workdir: str) -> list[dict]:
     """Trains every run of `config`'s sweep in `workdir` (resuming there if possible).
 
@@ -206,7 +152,7 @@ def run(config, workdir: str) -> list[dict]:
     x_np, y_np = dataset.x_train, dataset.y_train
     model_cfg = transformer.model_config(config.model, d=x_np.shape[-1], d_y=y_np.shape[-1])
     mesh = sharding.make_mesh(len(runs), x_np.shape[0], config.mesh)
-    _runs_per_chunk(config.train.runs_per_chunk, mesh)
+    check_runs_per_chunk(config.train.runs_per_chunk, mesh)
     graphdef, one_run_params = transformer.init_params(model_cfg, runs[0].seed)
     kernel_fits = _jacobian_fits(config, y_np, one_run_params)
     if config.optim.lr_rule == "lambda_max" and not kernel_fits:
@@ -269,7 +215,7 @@ def run(config, workdir: str) -> list[dict]:
     writer = MetricsWriter(workdir, resume_step=step)
 
     t0 = time.perf_counter()
-    runners = _Runners(make_fns, probe_fn, config, mesh, (state, hp, x, y))
+    runners = ChunkRunners(make_fns, probe_fn, config, mesh, (state, hp, x, y))
     evaluate = jax.jit(fns.evaluate)
     flops = step_flops(fns.step, state, hp, x, y)
     print(

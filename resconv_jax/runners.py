@@ -1,0 +1,81 @@
+"""The compiled on-device loops that train.run calls between log steps.
+
+One chunk is train.log_every GD steps of every run (`step.make_step_functions(...).run_steps`),
+compiled once for the shapes and shardings of the train state and data. A chunk that starts at a
+multiple of probe.every also probes its first step; the others are compiled without the probe. The
+steps, losses and parameters are the same either way.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from resconv_jax import sharding
+from resconv_jax.validation import ConfigError
+
+CPU_CHUNK_BYTES = 16 << 20  # runs_per_chunk=-1: step the runs in chunks when all need more
+
+
+def check_runs_per_chunk(requested: int, mesh: jax.sharding.Mesh) -> int:
+    """train.runs_per_chunk checked against the mesh; -1 (automatic) resolves to 0 here."""
+    if requested > 0 and mesh.size > 1:
+        raise ConfigError(
+            f"config.train.runs_per_chunk={requested} needs a 1-device mesh (this one is "
+            f"{dict(mesh.shape)}); use 0 to step all runs together"
+        )
+    return max(requested, 0)
+
+
+class ChunkRunners:
+    """Compiled chunk functions, with and without the probe.
+
+    Args:
+      make_fns: `make_step_functions` with everything but `probe` and `runs_per_chunk` bound.
+      probe_fn: the probe of a step's (R, L, P, M, d) intermediates, or None.
+      config: the run's config (train.log_every, train.runs_per_chunk, probe.every).
+      mesh: the ('sweep', 'data') mesh.
+      args: (state, hp, x, y) as the chunks will be called with (shapes and shardings).
+    """
+
+    def __init__(self, make_fns, probe_fn, config, mesh: jax.sharding.Mesh, args):
+        self.probe_every = config.probe.every if probe_fn is not None else 0
+        self.runs_per_chunk = check_runs_per_chunk(config.train.runs_per_chunk, mesh)
+        self._compile = functools.partial(self._compile_chunk, make_fns, config, mesh, args)
+        first = self._compile(probe_fn)
+        num_runs = args[1]["beta_attn"].shape[0]
+        if (
+            config.train.runs_per_chunk == -1
+            and jax.default_backend() == "cpu"
+            and mesh.size == 1
+            and num_runs > 1
+        ):
+            temp = first.memory_analysis().temp_size_in_bytes
+            if temp > CPU_CHUNK_BYTES:
+                self.runs_per_chunk = max(1, num_runs * CPU_CHUNK_BYTES // temp)
+                first = self._compile(probe_fn)
+        self._with_probe = first
+        self._without_probe = self._compile(None) if self.probe_every else first
+
+    def _compile_chunk(self, make_fns, config, mesh, args, probe_fn):
+        state, hp, x, y = args
+        fns = make_fns(probe=probe_fn, runs_per_chunk=self.runs_per_chunk)
+        on_runs = jax.tree.map(lambda _: sharding.run_sharding(mesh), state)
+        return (
+            jax.jit(fns.run_steps, donate_argnums=0, out_shardings=(on_runs, None))
+            .lower(state, hp, x, y, jnp.int32(config.train.log_every))
+            .compile()
+        )
+
+    @property
+    def description(self) -> str:
+        """', n runs at a time' when the runs are stepped in chunks, else ''."""
+        return f", {self.runs_per_chunk} runs at a time" if self.runs_per_chunk else ""
+
+    def at(self, step: int):
+        """The chunk starting at `step`: (state, hp, x, y, num_steps) -> (state, buffers)."""
+        if not self.probe_every or step % self.probe_every == 0:
+            return self._with_probe
+        return self._without_probe

@@ -6,11 +6,10 @@ process (the order rotated each repeat) and reports medians; ratios are ratios o
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -143,22 +142,6 @@ def build_runs(
     return Runs(fns, state, hp, jnp.asarray(x), jnp.asarray(y), graphdef, params0)
 
 
-def library_accepts(name: str) -> bool:
-    """Whether resconv_jax.step.make_step_functions takes the keyword argument `name`."""
-    return name in inspect.signature(make_step_functions).parameters
-
-
-def run_steps_fn(fns) -> Callable:
-    """`(state, hp, x, y, num_steps) -> (state, buffers)` for the library's `run_steps`.
-
-    Newer versions of resconv_jax.step take a `start` step before `num_steps`; pass 0.
-    """
-    params = list(inspect.signature(fns.run_steps).parameters)
-    if "start" in params:
-        return lambda state, hp, x, y, n: fns.run_steps(state, hp, x, y, jnp.int32(0), n)
-    return fns.run_steps
-
-
 def step_fn(fns) -> Callable:
     """`(state, hp, x, y) -> (state, metrics)`: the library's vmapped `step`, without extras."""
     return lambda state, hp, x, y: fns.step(state, hp, x, y)[:2]
@@ -173,23 +156,18 @@ class Case:
 
     `fn` is `(state, hp, x, y[, num_steps]) -> (state, out)`; calling the case advances each
     state once (one call for a vmapped R=5 state, five calls for five R=1 states), donating and
-    replacing the state as resconv_jax.train does. `context` (a context-manager factory) is
-    active while the function is traced.
+    replacing the state as resconv_jax.train does.
     """
 
-    def __init__(self, fn, runs_list: Sequence[Runs], loop_steps: int | None, context=None):
+    def __init__(self, fn, runs_list: Sequence[Runs], loop_steps: int | None):
         self.runs_list = list(runs_list)
         self.states = [copy_tree(r.state) for r in self.runs_list]
         self.loop_steps = loop_steps
         n = (jnp.int32(loop_steps),) if loop_steps else ()
         self.args = [(r.hp, r.x, r.y, *n) for r in self.runs_list]
 
-        def fresh(*args):  # a new function object: jit's trace cache must not serve another
-            return fn(*args)  # case's trace (a model candidate only shows while tracing)
-
-        with context() if context else contextlib.nullcontext():
-            lowered = jax.jit(fresh, donate_argnums=0).lower(self.states[0], *self.args[0])
-            self.compiled = lowered.compile()
+        lowered = jax.jit(fn, donate_argnums=0).lower(self.states[0], *self.args[0])
+        self.compiled = lowered.compile()
 
     def __call__(self, num_steps: int | None = None):
         outs = []
@@ -291,6 +269,7 @@ def machine() -> str:
     cores = os.cpu_count()
     flags = os.environ.get("XLA_FLAGS", "")
     parts = [
+        f"resconv_jax {git_commit()}",
         f"{cpu_model()}, {cores} cores",
         f"Linux {platform.release()}" if sys.platform.startswith("linux") else sys.platform,
         f"Python {platform.python_version()}",
@@ -303,6 +282,21 @@ def machine() -> str:
     if flags:
         parts.append(f"XLA_FLAGS={flags!r}")
     return "; ".join(parts)
+
+
+def git_commit() -> str:
+    """Short hash of HEAD, '+dirty' with local changes under resconv_jax/ or configs/."""
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout
+
+    try:
+        head = git("rev-parse", "--short", "HEAD").strip() or "?"
+        return head + (
+            "+dirty" if git("status", "--porcelain", "--", "resconv_jax", "configs") else ""
+        )
+    except OSError:
+        return "?"
 
 
 def load_average() -> str:

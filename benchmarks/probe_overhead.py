@@ -1,28 +1,30 @@
 """Cost of the spectral probe: a training step with the probe against the same step without it.
 
-    python -m benchmarks.probe_overhead                        # theory + large sizes (~1 min)
+    python -m benchmarks.probe_overhead                        # theory + large sizes (~3 min)
     python -m benchmarks.probe_overhead --sizes theory --repeats 21
-    python -m benchmarks.probe_overhead --sizes large --large 4096,25,16 --repeats 5
+    python -m benchmarks.probe_overhead --probes stacked       # only probe.per_sample=False
+    python -m benchmarks.probe_overhead --kinds step,run1,chunk
     python -m benchmarks.probe_overhead --devices 8           # 8 virtual CPU devices, (1, 8) mesh
     python -m benchmarks.probe_overhead --openblas-threads 0  # OpenBLAS threads as the env says
 
-Both cases are `resconv_jax.step.make_step_functions` with `probe=None` and with
-`probe=functools.partial(probe.probe_attention, mesh=mesh)`, compiled as resconv_jax.train does
-(`jax.jit(run_steps, donate_argnums=0, out_shardings=...)`, the state on the runs' sharding and the
-data on the samples' sharding of the mesh that `sharding.make_mesh` picks). Three timings:
+The cases are `resconv_jax.step.make_step_functions` with `probe=None` and with
+`probe=functools.partial(probe.probe_attention, mesh=mesh, per_sample=...)`, compiled as
+resconv_jax.train does (`jax.jit(run_steps, donate_argnums=0, out_shardings=...)`, the state on the
+runs' sharding and the data on the samples' sharding of the mesh that `sharding.make_mesh` picks).
+Probes (`--probes`): "full" (stacked σ and per-sample σ_min, `probe.per_sample=True`, the default)
+and "stacked" (stacked σ only, `probe.per_sample=False`). Timings (`--kinds`):
 
-  run_steps, 1 step/call   `run_steps(state, hp, x, y, num_steps=1)`, so that the probe runs on
-                           every step.
-  compute: step (+ probe)  one jitted function doing one vmapped step (`fns.step`) and, when
-                           probed, the probe of that step's intermediates: no loop, no buffers.
-  run_steps, K steps/call  as train.run calls it: K = train.log_every steps per call, the probe on
-                           the first; its overhead is the probe's cost in training.
+  step   one step + probe: one jitted function doing one vmapped step (`fns.step`) and, when
+         probed, the probe of that step's intermediates: no loop, no buffers.
+  run1   `run_steps(state, hp, x, y, num_steps=1)`, so that the probe runs on every step.
+  chunk  K-step chunk, as train.run calls it: K = train.log_every steps per call, the probe on
+         the first; its overhead is the probe's cost in training (with probe.every = 0).
 
 Sizes: "theory" is configs/theory.py (3 runs, β = 0, 0.5, 1; P=8 M=8 d=64 d_qk=16 d_h=64);
 "large" is one run (β = 1) with P·M ≥ 1e5 rows in the stacked Z (default P=4096 M=25 d=16, d_qk=8,
 d_h=32). Times are medians over `--repeats` round-robin repeats (order rotated each repeat) of
 `--calls` calls each (K-step calls: calls/K), shown per step; the overhead is median(probed) /
-median(plain) − 1. Target: ≤ 10%. K is configs/theory.py's train.log_every for "theory" and 10
+median(no probe) − 1. Target: ≤ 10%. K is configs/theory.py's train.log_every for "theory" and 10
 for "large" (`--log-every`).
 
 OPENBLAS_NUM_THREADS is 1 unless `--openblas-threads` says otherwise: jaxlib's CPU LAPACK (the
@@ -69,6 +71,10 @@ from resconv_jax.models import transformer  # noqa: E402
 from resconv_jax.step import init_opt_state, make_step_functions  # noqa: E402
 
 THEORY_BETAS = (0.0, 0.5, 1.0)
+PROBES = {
+    "full": {"per_sample": True, "label": "probe (stacked+per-sample)"},
+    "stacked": {"per_sample": False, "label": "probe (stacked only)"},
+}
 
 
 def large_size(spec: str) -> common.Size:
@@ -99,10 +105,17 @@ class Problem:
         self.hp = sharding.put_tree({"beta_attn": b, "beta_ffn": b}, on_runs)
         self.state_sharding = jax.tree.map(lambda _: on_runs, self.state)
 
-    def fns(self, probed: bool, steps_per_call: int = 1):
-        probe_fn = functools.partial(probe.probe_attention, mesh=self.mesh) if probed else None
+    def probe_fn(self, kind: str | None):
+        """None, or the probe as train.run builds it: "full" (per_sample) or "stacked"."""
+        if kind is None:
+            return None
+        return functools.partial(
+            probe.probe_attention, mesh=self.mesh, per_sample=PROBES[kind]["per_sample"]
+        )
+
+    def fns(self, probe_kind: str | None, steps_per_call: int = 1):
         return make_step_functions(
-            self.graphdef, self.optimizer, "sum", steps_per_call, probe=probe_fn
+            self.graphdef, self.optimizer, "sum", steps_per_call, probe=self.probe_fn(probe_kind)
         )
 
     def fresh_state(self):
@@ -130,56 +143,66 @@ class Case:
         return self.state, out
 
 
-def run_steps_case(problem: Problem, probed: bool, calls: int, steps: int) -> Case:
+def run_steps_case(problem: Problem, probe_kind: str | None, calls: int, steps: int) -> Case:
     """`run_steps` doing `steps` steps per call (compiled for steps_per_call = steps)."""
-    return Case(problem, problem.fns(probed, steps).run_steps, steps, calls)
+    return Case(problem, problem.fns(probe_kind, steps).run_steps, steps, calls)
 
 
-def compute_case(problem: Problem, probed: bool, calls: int) -> Case:
-    """One vmapped step, plus the probe of its intermediates when `probed`: nothing else."""
-    fns = problem.fns(False)
-    probe_fn = functools.partial(probe.probe_attention, mesh=problem.mesh)
+def step_case(problem: Problem, probe_kind: str | None, calls: int) -> Case:
+    """One vmapped step, plus the probe of its intermediates when probed: nothing else."""
+    fns = problem.fns(None)
+    probe_fn = problem.probe_fn(probe_kind)
 
     def one_step(state, hp, x, y):
         state, metrics, inter = fns.step(state, hp, x, y)
-        if probed:
+        if probe_fn is not None:
             metrics = metrics | probe_fn(inter["attn"], inter["z"])
         return state, metrics
 
     return Case(problem, one_step, None, calls)
 
 
-def measure(problem: Problem, repeats: int, calls: int, log_every: int) -> list[list[object]]:
-    """Rows of the table for one size: per-step times without and with the probe."""
+def measure(problem: Problem, args, calls: int, log_every: int) -> list[list[object]]:
+    """Rows of the table for one size: per-step times without and with each probe."""
     kinds = {
-        "run_steps, 1 step/call": lambda probed: run_steps_case(problem, probed, calls, 1),
-        "compute: step (+ probe)": lambda probed: compute_case(problem, probed, calls),
-        f"run_steps, {log_every} steps/call (train)": lambda probed: run_steps_case(
-            problem, probed, max(1, calls // log_every), log_every
+        "step": ("one step + probe", lambda pk: step_case(problem, pk, calls)),
+        "run1": ("run_steps, 1 step/call", lambda pk: run_steps_case(problem, pk, calls, 1)),
+        "chunk": (
+            f"{log_every}-step chunk, probe on its first step (as trained)",
+            lambda pk: run_steps_case(problem, pk, max(1, calls // log_every), log_every),
         ),
     }
+    probes = [p for p in args.probes.split(",") if p]
     rows = []
-    for kind, build in kinds.items():
-        cases = {"plain": build(False), "probed": build(True)}
-        out = cases["probed"]()[1]
-        assert "z/sigma_min" in out, sorted(out)  # the probe is really in the compiled step
-        times = common.interleave(cases, repeats)
-        plain, probed = (
-            common.median(times[k]) / (cases[k].calls * cases[k].steps) for k in ("plain", "probed")
+    for kind in [k for k in args.kinds.split(",") if k]:
+        label, build = kinds[kind]
+        cases = {"none": build(None)} | {pk: build(pk) for pk in probes}
+        for pk in probes:  # the probe is really in the compiled step, with its parts
+            out = cases[pk]()[1]
+            assert "z/sigma_min" in out, sorted(out)
+            assert ("z/sample_sigma_min" in out) == PROBES[pk]["per_sample"], sorted(out)
+        times = common.interleave(
+            cases, args.repeats or (15 if problem.size.name == "theory" else 5)
         )
-        rows.append(
-            [
-                problem.size.name,
-                len(problem.betas),
-                f"{problem.size.P * problem.size.M:,}×{problem.size.d}",
-                kind,
-                common.fmt_time(plain),
-                common.fmt_time(probed),
-                f"{100 * (probed / plain - 1):+.1f}%",
-                f"{common.spread(times['plain'])} / {common.spread(times['probed'])}",
-            ]
-        )
-        print("  " + " | ".join(str(c) for c in rows[-1]), flush=True)
+        per_step = {k: common.median(times[k]) / (cases[k].calls * cases[k].steps) for k in cases}
+        row = [
+            problem.size.name,
+            len(problem.betas),
+            f"{problem.size.P * problem.size.M:,}×{problem.size.d}",
+            label,
+            common.fmt_time(per_step["none"]),
+        ]
+        for pk in PROBES:
+            if pk in per_step:
+                row += [
+                    common.fmt_time(per_step[pk]),
+                    f"{100 * (per_step[pk] / per_step['none'] - 1):+.1f}%",
+                ]
+            else:
+                row += ["", ""]
+        row.append(" / ".join(common.spread(times[k]) for k in cases))
+        rows.append(row)
+        print("  " + " | ".join(str(c) for c in row), flush=True)
     return rows
 
 
@@ -188,6 +211,8 @@ def main(argv=None) -> None:
     p.add_argument("--sizes", default="theory,large", help="comma list of: theory, large")
     p.add_argument("--large", default="4096,25,16", help="P,M,d of the large size (one run)")
     p.add_argument("--repeats", type=int, default=0, help="interleaved repeats (0: 15 / 5)")
+    p.add_argument("--probes", default="full,stacked", help="comma list of: full, stacked")
+    p.add_argument("--kinds", default="step,chunk", help="comma list of: step, run1, chunk")
     p.add_argument("--calls", type=int, default=0, help="calls per timing (0: 20 / 1)")
     p.add_argument("--devices", type=int, default=0, help="virtual CPU devices (set before JAX)")
     p.add_argument(
@@ -208,30 +233,22 @@ def main(argv=None) -> None:
     rows = []
     for name in [s.strip() for s in args.sizes.split(",") if s.strip()]:
         if name == "theory":
-            size, betas, calls, repeats = common.theory_size(), THEORY_BETAS, 20, 15
+            size, betas, calls = common.theory_size(), THEORY_BETAS, 20
             log_every = load_config_file(str(common.REPO / "configs" / "theory.py")).train.log_every
         elif name == "large":
-            size, betas, calls, repeats = large_size(args.large), (1.0,), 1, 5
+            size, betas, calls = large_size(args.large), (1.0,), 1
             log_every = 10
         else:
             raise SystemExit(f"unknown size {name!r}; expected theory or large")
         problem = Problem(size, betas, args.mesh_data)
         print(f"{name}: {size.describe()}, {len(betas)} run(s), mesh {dict(problem.mesh.shape)}")
-        rows += measure(
-            problem, args.repeats or repeats, args.calls or calls, args.log_every or log_every
-        )
+        rows += measure(problem, args, args.calls or calls, args.log_every or log_every)
     print(f"load average after: {common.load_average()}")
     print()
-    headers = [
-        "size",
-        "runs",
-        "stacked Z",
-        "timed",
-        "no probe",
-        "with probe",
-        "overhead",
-        "IQR plain / probed",
-    ]
+    headers = ["size", "runs", "stacked Z", "timed", "no probe"]
+    for spec in PROBES.values():
+        headers += [spec["label"], "overhead"]
+    headers.append("IQR (cases in order)")
     print(common.table(headers, rows))
 
 

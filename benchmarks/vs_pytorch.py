@@ -4,15 +4,16 @@
     python -m benchmarks.vs_pytorch              # both sizes, small defaults (~1 min on 2 cores)
     python -m benchmarks.vs_pytorch --sizes jena --repeats 9
 
-JAX: the library's GD step (resconv_jax.step.make_step_functions, one run, R=1), jitted with the
-state donated as in resconv_jax.train, timed two ways: `run_steps` (K steps in one on-device loop
-per call) and one `step` per call (dispatch-bound). PyTorch: the paper's model written out below
-from its equations (single-head softmax attention with W_Q, W_K (d×d_qk), W_V (d×d);
-Z = Attn(X) + βX; H = relu(Z W_1) W_2 + βZ; F = H W_U; no biases, LayerNorm or mask;
-loss ½Σ‖F − Y‖²), `loss.backward()` and `p -= lr * p.grad` under `torch.no_grad()`, in eager
-mode, with `torch.set_num_threads(<cores>)`. Both start from the JAX initialization (copied into
-torch) on the same data; before timing, the script asserts that their losses after
-`--check-steps` steps agree to `--rtol` (float32).
+JAX: the library's GD step (resconv_jax.step.make_step_functions, one run, R=1, defaults: the
+fast_backward model), jitted with the state donated as in resconv_jax.train, timed two ways:
+`run_steps` (K steps in one on-device loop per call) and one `step` per call (dispatch-bound); and
+`run_steps` with `fast_backward=False` ("plain", the formulation before the fast_ops patch).
+PyTorch: the paper's model written out below from its equations (single-head softmax attention
+with W_Q, W_K (d×d_qk), W_V (d×d); Z = Attn(X) + βX; H = relu(Z W_1) W_2 + βZ; F = H W_U; no
+biases, LayerNorm or mask; loss ½Σ‖F − Y‖²), `loss.backward()` and `p -= lr * p.grad` under
+`torch.no_grad()`, in eager mode, with `torch.set_num_threads(<cores>)`. Both start from the JAX
+initialization (copied into torch) on the same data; before timing, the script asserts that their
+losses after `--check-steps` steps agree to `--rtol` (float32).
 
 Sizes: the configs/theory.py size and a Jena-like size (P=512, M=24, d=6, d_qk=6, d_h=32, d_y=1;
 Gaussian data of that shape). Target: JAX >= 2x faster. See benchmarks/RESULTS.md.
@@ -32,7 +33,7 @@ if __package__ in (None, ""):
 import numpy as np  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from benchmarks.sweep_vs_sequential import candidate_model, parse_variant  # noqa: E402
+from benchmarks.step_cases import STEP_KWARGS  # noqa: E402
 
 try:
     import torch  # noqa: E402
@@ -86,11 +87,11 @@ def torch_data(runs) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(np.array(runs.x)), torch.from_numpy(np.array(runs.y))
 
 
-def check_agreement(size, beta: float, steps: int, rtol: float, context=None) -> str:
-    """Runs `steps` GD steps in JAX (library step, or the candidate model under `context`) and in
-    torch from the same start; asserts that the losses agree to `rtol`; returns a report line."""
-    runs = common.build_runs(size, (beta,), steps)
-    case = common.Case(common.run_steps_fn(runs.fns), [runs], steps, context)
+def check_agreement(size, beta: float, steps: int, rtol: float, step_kwargs: dict) -> str:
+    """Runs `steps` GD steps in JAX (the library step with `step_kwargs`) and in torch from the same
+    start; asserts that the losses agree to `rtol`; returns a report line."""
+    runs = common.build_runs(size, (beta,), steps, step_kwargs=step_kwargs)
+    case = common.Case(runs.fns.run_steps, [runs], steps)
     case()
     jax_loss = float(case.final_losses()[0])
     model = TorchTransformer(runs.params0, beta, beta)
@@ -118,27 +119,17 @@ def check_agreement(size, beta: float, steps: int, rtol: float, context=None) ->
 
 
 def bench_size(size, args) -> str:
-    theory = size.name == "theory"
-    n = args.steps or (50 if theory else 5)  # steps per timing sample, every case
-    candidates = [c for c in args.candidates.split(",") if c]
-    contexts = {}
-    for c in candidates:
-        v = parse_variant(c)
-        if v.chunk or not v.model:
-            raise SystemExit(f"--candidates: {c!r} is not a model candidate (parts tn, sm, qkv)")
-        contexts[c] = candidate_model(v)
-    checks = [f"library: {check_agreement(size, args.beta, args.check_steps, args.rtol)}"]
-    for c, ctx in contexts.items():
-        checks.append(f"{c}: {check_agreement(size, args.beta, args.check_steps, args.rtol, ctx)}")
-
-    runs = common.build_runs(size, (args.beta,), n)
-    loop = common.Case(common.run_steps_fn(runs.fns), [runs], n)
-    call = common.Case(common.step_fn(runs.fns), [runs], None)
-    cand_loops = {
-        c: common.Case(common.run_steps_fn(runs.fns), [runs], n, ctx) for c, ctx in contexts.items()
+    n = args.steps or (50 if size.name == "theory" else 5)  # steps per timing sample, every case
+    checks = [
+        f"{variant}: {check_agreement(size, args.beta, args.check_steps, args.rtol, kwargs)}"
+        for variant, kwargs in STEP_KWARGS.items()
+    ]
+    runs = {
+        v: common.build_runs(size, (args.beta,), n, step_kwargs=kw) for v, kw in STEP_KWARGS.items()
     }
-    model = TorchTransformer(runs.params0, args.beta, args.beta)
-    x, y = torch_data(runs)
+    call = common.Case(common.step_fn(runs["library"].fns), [runs["library"]], None)
+    model = TorchTransformer(runs["library"].params0, args.beta, args.beta)
+    x, y = torch_data(runs["library"])
 
     def torch_steps():
         for _ in range(n):
@@ -150,30 +141,25 @@ def bench_size(size, args) -> str:
             out = call()
         return out
 
-    cases = {"jax loop": loop, "jax call": jax_calls}
-    cases |= {f"cand {c}": case for c, case in cand_loops.items()}
-    cases["torch eager"] = torch_steps
+    cases = {
+        f"JAX jit, run_steps ({n} steps on device per call)": common.Case(
+            runs["library"].fns.run_steps, [runs["library"]], n
+        ),
+        "JAX jit, one step per call": jax_calls,
+        "JAX jit, run_steps, plain (fast_backward=False)": common.Case(
+            runs["plain"].fns.run_steps, [runs["plain"]], n
+        ),
+        f"PyTorch eager ({torch.get_num_threads()} threads)": torch_steps,
+    }
     times = common.interleave(cases, args.repeats)
     per_step = {k: common.median(v) / n for k, v in times.items()}
-    t_torch = per_step["torch eager"]
-    labels = {
-        "jax loop": f"JAX jit, run_steps ({n} steps on device per call)",
-        "jax call": "JAX jit, one step per call",
-    }
-    labels |= {f"cand {c}": f"JAX jit, run_steps, candidate model {c}" for c in cand_loops}
-    labels["torch eager"] = f"PyTorch eager ({torch.get_num_threads()} threads)"
+    t_torch = per_step[list(cases)[-1]]
     rows = []
-    for key, label in labels.items():
-        speed = t_torch / per_step[key]
-        target = "" if key == "torch eager" else ("yes" if speed >= 2 else "no")
+    for i, (label, t) in enumerate(per_step.items()):
+        speed = t_torch / t
+        target = "" if i == len(per_step) - 1 else ("yes" if speed >= 2 else "no")
         rows.append(
-            [
-                label,
-                common.fmt_time(per_step[key]),
-                common.spread(times[key]),
-                f"{speed:.2f}x",
-                target,
-            ]
+            [label, common.fmt_time(t), common.spread(times[label]), f"{speed:.2f}x", target]
         )
     text = (
         f"### {size.name} size ({size.describe()}), beta={args.beta:g}, lr={size.lr:g}\n\n"
@@ -195,11 +181,6 @@ def main(argv=None) -> None:
     p.add_argument("--beta", type=float, default=1.0, help="β for both residuals")
     p.add_argument("--check-steps", type=int, default=10)
     p.add_argument("--rtol", type=float, default=1e-5)
-    p.add_argument(
-        "--candidates",
-        default="tn+sm+qkv",
-        help="model candidates of benchmarks.sweep_vs_sequential to time too ('' for none)",
-    )
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch.set_num_threads")
     p.add_argument("--output", default="", help="also write the tables (Markdown) here")
     args = p.parse_args(argv)

@@ -58,7 +58,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.async_checkpoints = True  # write checkpoints in the background
     # Runs stepped together: 0: all (one vmapped step); n > 0: n at a time (lax.map over chunks of
     # runs, same results, one chunk's working set; 1-device meshes only); -1: auto, chunks on a
-    # 1-device CPU mesh when the step's temporaries for all runs exceed 16 MiB (cache-sized).
+    # 1-device CPU mesh when the step's temporaries for all runs exceed 8 MiB (cache-sized).
     c.train.runs_per_chunk = -1
 
     c.sweep = ml_collections.ConfigDict()

@@ -14,6 +14,7 @@ import os
 import jax
 import numpy as np
 from tensorboardX import SummaryWriter
+from tensorboardX.proto.summary_pb2 import Summary
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -64,16 +65,26 @@ class MetricsWriter:
             return
         self._file.writelines(json.dumps(line) + "\n" for line in lines)
         self._file.flush()
-        for line in lines:
-            for key, value in line.items():
-                if key not in ("step", "run") and isinstance(value, float):
-                    self._tensorboard.add_scalar(f"run{line['run']}/{key}", value, step)
+        self._add_scalars(
+            step,
+            {
+                f"run{line['run']}/{key}": value
+                for line in lines
+                for key, value in line.items()
+                if key not in ("step", "run") and isinstance(value, float)
+            },
+        )
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         """Run-wide scalars (timings, FLOP/s) to TensorBoard only."""
         if self.enabled:
-            for key, value in values.items():
-                self._tensorboard.add_scalar(key, value, step)
+            self._add_scalars(step, values)
+
+    def _add_scalars(self, step: int, values: dict[str, float]) -> None:
+        # One event holding every scalar of the step: `add_scalar` writes one event per value,
+        # which cost seconds per thousand log steps of a sweep (20k values: 3.6 s against 0.5 s).
+        summary = Summary(value=[Summary.Value(tag=k, simple_value=v) for k, v in values.items()])
+        self._tensorboard.file_writer.add_summary(summary, step)
 
     def close(self) -> None:
         """Flushes and closes the files."""

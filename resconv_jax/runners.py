@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from resconv_jax import sharding
 from resconv_jax.validation import ConfigError
 
-CPU_CHUNK_BYTES = 16 << 20  # runs_per_chunk=-1: step the runs in chunks when all need more
+CPU_CHUNK_BYTES = 8 << 20  # runs_per_chunk=-1: step the runs in chunks when all need more
 
 
 def check_runs_per_chunk(requested: int, mesh: jax.sharding.Mesh) -> int:

@@ -2,9 +2,11 @@
 
 import json
 import os
+import struct
 
 import numpy as np
 import pytest
+from tensorboardX.proto import event_pb2
 
 from resconv_jax import train
 from resconv_jax.config_defaults import load_config_file
@@ -17,6 +19,21 @@ TINY = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.py")
 def tiny(**overrides):
     defaults = {"train.checkpoint_every": 1000, "train.async_checkpoints": False}
     return load_config_file(TINY, **(defaults | overrides))
+
+
+def tensorboard_scalars(logdir) -> dict[str, list[tuple[int, float]]]:
+    """{tag: [(step, value), ...]} from the TFRecord event files under `logdir`."""
+    scalars = {}
+    for path in sorted(logdir.iterdir()):
+        data = path.read_bytes()
+        offset = 0
+        while offset < len(data):
+            (length,) = struct.unpack("<Q", data[offset : offset + 8])
+            event = event_pb2.Event.FromString(data[offset + 12 : offset + 12 + length])
+            offset += 16 + length  # length, its CRC, the record, its CRC
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars
 
 
 def losses_by_run(workdir) -> dict[int, np.ndarray]:
@@ -39,7 +56,9 @@ def test_metrics_lines_carry_run_settings_and_outputs_exist(tmp_path):
     assert [r["beta_attn"] for r in records[:3]] == [0.0, 0.5, 1.0]
     assert {"run", "seed", "lr", "beta_ffn", "loss", "grad_norm", "contraction"} <= set(records[0])
     assert json.load(open(tmp_path / "config.json"))["optim"]["lr"] == 0.004
-    assert os.listdir(tmp_path / "tensorboard")
+    scalars = tensorboard_scalars(tmp_path / "tensorboard")
+    assert [v for s, v in scalars["run1/loss"]] == [r["loss"] for r in records if r["run"] == 1]
+    assert [s for s, v in scalars["run2/beta_attn"]] == [0, 5, 10]
     assert len(json.load(open(tmp_path / "summary.json"))) == 3
 
 

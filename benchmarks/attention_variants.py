@@ -32,24 +32,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from resconv_jax.models.fast_ops import matmul, matmul_nt, softmax_rows  # noqa: E402
+from resconv_jax.models.fast_ops import matmul, matmul_nt, softmax, softmax_rows  # noqa: E402
 
 P, M, D, D_QK, D_H = 512, 24, 6, 6, 32
 STEPS_PER_CALL = 5
-
-
-@jax.custom_jvp
-def softmax_keys_major(logits: jax.Array) -> jax.Array:
-    """Softmax over axis -2 of (P, M_k, M_q) logits."""
-    unnormalized = jnp.exp(logits - jax.lax.stop_gradient(logits.max(-2, keepdims=True)))
-    return unnormalized / unnormalized.sum(-2, keepdims=True)
-
-
-@softmax_keys_major.defjvp
-def _softmax_keys_major_jvp(primals, tangents):
-    (x,), (x_dot,) = primals, tangents
-    y = softmax_keys_major(x)
-    return y, y * (x_dot - jnp.sum(y * x_dot, axis=-2, keepdims=True))
 
 
 def attention(variant: str, x: jax.Array, w_q, w_k, w_v) -> jax.Array:
@@ -67,7 +53,7 @@ def attention(variant: str, x: jax.Array, w_q, w_k, w_v) -> jax.Array:
         logits = jnp.sum(q[:, :, None, :] * k[:, None, :, :], -1) * scale
         return jnp.sum(softmax_rows(logits)[..., None] * v[:, None, :, :], axis=2)
     if variant == "keys_major":
-        s_t = softmax_keys_major(matmul_nt(k, q) * scale)
+        s_t = softmax(matmul_nt(k, q) * scale, axis=-2)  # (P, M_k, M_q), over the keys
         return matmul(jax.lax.optimization_barrier(jnp.swapaxes(s_t, -1, -2)), v)
     raise ValueError(variant)
 

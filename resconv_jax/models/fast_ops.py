@@ -16,6 +16,8 @@ barrier, so every backward dot is canonical, vmapped or not.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -81,19 +83,24 @@ def plain_matmul_nt(a: jax.Array, b: jax.Array) -> jax.Array:
     return a @ jnp.swapaxes(b, -1, -2)
 
 
-@jax.custom_jvp
-def softmax_rows(logits: jax.Array) -> jax.Array:
-    """Softmax over the last axis, differentiated as y ⊙ (ẋ − Σ y ⊙ ẋ) (forward and reverse mode).
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def softmax(logits: jax.Array, axis: int = -1) -> jax.Array:
+    """Softmax over `axis`, differentiated as y ⊙ (ẋ − Σ y ⊙ ẋ) (forward and reverse mode).
 
     `jax.nn.softmax` is differentiated through exp(x − max) / Σ, a longer chain of passes over the
     (..., M, M) logits.
     """
-    unnormalized = jnp.exp(logits - jax.lax.stop_gradient(logits.max(-1, keepdims=True)))
-    return unnormalized / unnormalized.sum(-1, keepdims=True)
+    unnormalized = jnp.exp(logits - jax.lax.stop_gradient(logits.max(axis, keepdims=True)))
+    return unnormalized / unnormalized.sum(axis, keepdims=True)
 
 
-@softmax_rows.defjvp
-def _softmax_rows_jvp(primals, tangents):
+@softmax.defjvp
+def _softmax_jvp(axis, primals, tangents):
     (x,), (x_dot,) = primals, tangents
-    y = softmax_rows(x)
-    return y, y * (x_dot - jnp.sum(y * x_dot, axis=-1, keepdims=True))
+    y = softmax(x, axis)
+    return y, y * (x_dot - jnp.sum(y * x_dot, axis=axis, keepdims=True))
+
+
+def softmax_rows(logits: jax.Array) -> jax.Array:
+    """`softmax` over the last axis: (..., M, M) attention logits -> rows of weights."""
+    return softmax(logits, -1)

@@ -72,7 +72,9 @@ class ChunkRunners:
     @property
     def description(self) -> str:
         """', n runs at a time' when the runs are stepped in chunks, else ''."""
-        return f", {self.runs_per_chunk} runs at a time" if self.runs_per_chunk else ""
+        if not self.runs_per_chunk:
+            return ""
+        return f", {self.runs_per_chunk} run{'s' if self.runs_per_chunk > 1 else ''} at a time"
 
     def at(self, step: int):
         """The chunk starting at `step`: (state, hp, x, y, num_steps) -> (state, buffers)."""

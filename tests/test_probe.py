@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from resconv_jax import probe
+from resconv_jax import linalg, probe
 
 
 def make_mesh(shape, axis_type=AxisType.Explicit):
@@ -163,3 +163,14 @@ def test_largest_collective_elements_parses_hlo():
     )
     assert probe.largest_collective_elements(hlo) == 4096
     assert probe.largest_collective_elements("  %a = f32[8]{0} add(%b, %c)") == 0
+
+
+def test_small_batches_loops_on_cpu_and_batches_elsewhere(monkeypatch):
+    x = jax.random.normal(jax.random.key(0), (3, 5, 8, 6))
+    looped = jax.jit(lambda a: linalg.small_batches(probe.singular_values, a))
+    assert "while" in looped.lower(x).as_text()
+    monkeypatch.setattr(linalg.jax, "default_backend", lambda: "gpu")
+    batched = jax.jit(lambda a: linalg.small_batches(probe.singular_values, a))
+    assert "while" not in batched.lower(x).as_text()
+    np.testing.assert_allclose(batched(x), looped(x), rtol=1e-6)
+    assert batched(x).shape == (3, 5, 6)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
-from resconv_jax import train
+from resconv_jax import runners, train
 from resconv_jax.config_defaults import load_config_file
 from resconv_jax.metrics import read_metrics
 from resconv_jax.validation import ConfigError
@@ -88,6 +88,20 @@ def test_runs_stepped_a_chunk_at_a_time_equal_runs_stepped_together(tmp_path):
     together, chunked = losses_by_run(tmp_path / "together"), losses_by_run(tmp_path / "chunked")
     for run in (0, 1, 2):
         np.testing.assert_allclose(chunked[run], together[run], rtol=1e-6)
+
+
+def test_automatic_chunking_on_one_device_when_the_step_outgrows_the_cache(
+    tmp_path, monkeypatch, capsys
+):
+    one_device = {"train.num_steps": 10, "mesh.sweep": 1, "mesh.data": 1}
+    train.run(tiny(**one_device, **{"train.runs_per_chunk": 0}), str(tmp_path / "together"))
+    assert "at a time" not in capsys.readouterr().out
+    monkeypatch.setattr(runners, "CPU_CHUNK_BYTES", 1)  # every step "outgrows" it: 1 run per chunk
+    train.run(tiny(**one_device), str(tmp_path / "auto"))
+    assert "1 run at a time" in capsys.readouterr().out
+    together, auto = losses_by_run(tmp_path / "together"), losses_by_run(tmp_path / "auto")
+    for run in (0, 1, 2):
+        np.testing.assert_allclose(auto[run], together[run], rtol=1e-6)
 
 
 def test_same_seed_gives_same_initialization_whatever_beta():

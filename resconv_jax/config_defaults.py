@@ -57,8 +57,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.keep_checkpoints = 3  # how many recent checkpoints to keep
     c.train.async_checkpoints = True  # write checkpoints in the background
     # Runs stepped together: 0: all (one vmapped step); n > 0: n at a time (lax.map over chunks of
-    # runs, same results, one chunk's working set; 1-device meshes only); -1: auto, chunks on a
-    # 1-device CPU mesh when the step's temporaries for all runs exceed 8 MiB (cache-sized).
+    # runs, the same results up to float rounding, one chunk's working set; 1-device meshes only);
+    # -1: auto, chunks on a 1-device CPU mesh when the compiled chunk of all runs needs more than
+    # 8 MiB of temporaries (cache-sized).
     c.train.runs_per_chunk = -1
 
     c.sweep = ml_collections.ConfigDict()

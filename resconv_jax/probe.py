@@ -40,17 +40,24 @@ def _check_dtype(dtype) -> jnp.dtype:
     return dtype
 
 
+def _local_singular_values(x: jax.Array) -> jax.Array:
+    """(..., N, d) -> (..., min(N, d)) singular values, QR first when the matrices are tall."""
+    if x.shape[-2] > x.shape[-1]:
+        x = small_batches(functools.partial(jnp.linalg.qr, mode="r"), x)  # (..., d, d)
+    return small_batches(singular_values, x)
+
+
 def _tsqr_singular_values(x: jax.Array, axis_name: str | None) -> jax.Array:
     """(..., N_local, d) rows of one stacked matrix per batch entry -> (..., k) singular values.
 
     k = min(n_shards·min(N_local, d), d) ≥ min(N, d); the caller keeps the first min(N, d).
     """
-    if axis_name is None and x.shape[-2] <= x.shape[-1]:  # all rows local and not tall: no QR
-        return small_batches(singular_values, x)
+    if axis_name is None or jax.lax.axis_size(axis_name) == 1:  # all rows are local
+        sv = _local_singular_values(x)
+        # On a size-1 axis pmax moves nothing; it marks sv as the same on every 'data' shard.
+        return sv if axis_name is None else jax.lax.pmax(sv, axis_name)
     qr_r = functools.partial(jnp.linalg.qr, mode="r")
     r = small_batches(qr_r, x)  # (..., min(N_local, d), d): a short R when N_local < d
-    if axis_name is None:
-        return small_batches(singular_values, r)
     r = jax.lax.all_gather(r, axis_name, axis=r.ndim - 2, tiled=True, to="invarying")
     r = small_batches(qr_r, r)  # (..., ≤ d, d)
     return small_batches(singular_values, r)

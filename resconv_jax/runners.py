@@ -16,7 +16,9 @@ import jax.numpy as jnp
 from resconv_jax import sharding
 from resconv_jax.validation import ConfigError
 
-CPU_CHUNK_BYTES = 8 << 20  # runs_per_chunk=-1: step the runs in chunks when all need more
+# runs_per_chunk=-1: step the runs in chunks when the compiled chunk (all runs, with the probe)
+# needs more temporaries than this.
+CPU_CHUNK_BYTES = 8 << 20
 
 
 def check_runs_per_chunk(requested: int, mesh: jax.sharding.Mesh) -> int:
@@ -42,22 +44,22 @@ class ChunkRunners:
 
     def __init__(self, make_fns, probe_fn, config, mesh: jax.sharding.Mesh, args):
         self.probe_every = config.probe.every if probe_fn is not None else 0
-        self.runs_per_chunk = check_runs_per_chunk(config.train.runs_per_chunk, mesh)
-        self._compile = functools.partial(self._compile_chunk, make_fns, config, mesh, args)
-        first = self._compile(probe_fn)
         num_runs = args[1]["beta_attn"].shape[0]
+        chunk = check_runs_per_chunk(config.train.runs_per_chunk, mesh)
+        self.runs_per_chunk = chunk if chunk < num_runs else 0  # 0: all runs together
+        self._compile = functools.partial(self._compile_chunk, make_fns, config, mesh, args)
+        self._with_probe = self._compile(probe_fn)
         if (
             config.train.runs_per_chunk == -1
-            and jax.default_backend() == "cpu"
+            and mesh.devices.flat[0].platform == "cpu"
             and mesh.size == 1
             and num_runs > 1
         ):
-            temp = first.memory_analysis().temp_size_in_bytes
+            temp = self._with_probe.memory_analysis().temp_size_in_bytes
             if temp > CPU_CHUNK_BYTES:
                 self.runs_per_chunk = max(1, num_runs * CPU_CHUNK_BYTES // temp)
-                first = self._compile(probe_fn)
-        self._with_probe = first
-        self._without_probe = self._compile(None) if self.probe_every else first
+                self._with_probe = self._compile(probe_fn)
+        self._without_probe = None if self.probe_every else self._with_probe
 
     def _compile_chunk(self, make_fns, config, mesh, args, probe_fn):
         state, hp, x, y = args
@@ -80,4 +82,6 @@ class ChunkRunners:
         """The chunk starting at `step`: (state, hp, x, y, num_steps) -> (state, buffers)."""
         if not self.probe_every or step % self.probe_every == 0:
             return self._with_probe
+        if self._without_probe is None:  # compiled on first use: some runs never need it
+            self._without_probe = self._compile(None)
         return self._without_probe

@@ -85,8 +85,9 @@ def make_step_functions(
     intermediates come from that step's loss.
 
     `runs_per_chunk` > 0 steps the runs that many at a time (`jax.lax.map` over the run axis,
-    vmapped within a chunk) instead of all at once: the same results, with one chunk's working
-    set, which is faster on a CPU once the temporaries of all runs no longer fit in its cache.
+    vmapped within a chunk) instead of all at once: the same results up to float rounding, with
+    one chunk's working set, which is faster on a CPU once the temporaries of all runs no longer
+    fit in its cache.
     Single-device meshes only (the run axis must not be sharded).
 
     `fast_backward` differentiates the training loss through `models.fast_ops` (canonical backward

@@ -169,8 +169,22 @@ def test_small_batches_loops_on_cpu_and_batches_elsewhere(monkeypatch):
     x = jax.random.normal(jax.random.key(0), (3, 5, 8, 6))
     looped = jax.jit(lambda a: linalg.small_batches(probe.singular_values, a))
     assert "while" in looped.lower(x).as_text()
-    monkeypatch.setattr(linalg.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     batched = jax.jit(lambda a: linalg.small_batches(probe.singular_values, a))
     assert "while" not in batched.lower(x).as_text()
     np.testing.assert_allclose(batched(x), looped(x), rtol=1e-6)
     assert batched(x).shape == (3, 5, 6)
+
+
+def test_one_device_mesh_probe_needs_no_qr_for_a_wide_stacked_matrix():
+    """P·M ≤ d on a 1 × 1 mesh (the theory regime): one SVD per matrix, no QR, same values."""
+    mesh = make_mesh((1, 1), AxisType.Auto)
+    rng = np.random.default_rng(0)
+    attn, z = (jnp.asarray(rng.standard_normal((2, 1, 4, 4, 16)), jnp.float32) for _ in range(2))
+    on_mesh = jax.jit(lambda a, b: probe.probe_attention(a, b, mesh))
+    assert "geqrf" not in on_mesh.lower(attn, z).compile().as_text()
+    without_mesh = jax.jit(lambda a, b: probe.probe_attention(a, b))(attn, z)
+    for key, value in on_mesh(attn, z).items():
+        np.testing.assert_allclose(value, without_mesh[key], rtol=1e-6, err_msg=key)
+    tall = jnp.asarray(rng.standard_normal((2, 1, 8, 8, 16)), jnp.float32)
+    assert "geqrf" in on_mesh.lower(tall, tall).compile().as_text()

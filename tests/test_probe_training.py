@@ -142,10 +142,16 @@ def test_probe_values_same_on_eight_devices_and_one(probed_run, tmp_path):
     train.run(tiny(**STEPS, **{"mesh.sweep": 1, "mesh.data": 1}), str(one))
     probed_steps = sorted({r["step"] for r in read_metrics(str(eight)) if PROBE_KEYS[0] in r})
     assert probed_steps == [0, 5, 10, 15]
-    # Step 0: the same parameters on both meshes, only the probe's TSQR is split differently.
+    # Step 0: the same parameters on both meshes, only the probe's SVD is computed differently
+    # (8-way TSQR against one SVD): σ_min is backward stable, determined to ~eps·σ_max, and so
+    # are κ and σ_min/‖·‖_F relatively to κ·eps.
     for a, b in zip(records_at(eight, 0), records_at(one, 0), strict=True):
         for key in PROBE_KEYS:
-            np.testing.assert_allclose(a[key], b[key], rtol=1e-5, err_msg=key)
+            matrix = key.rsplit("/", 1)[0]
+            kappa = b[f"{matrix}/kappa"]
+            sigma_min_based = key.endswith(("/sigma_min", "/kappa", "/sigma_min_over_fro"))
+            rtol = 1e-5 + (1e-6 * kappa if sigma_min_based else 0.0)
+            np.testing.assert_allclose(a[key], b[key], rtol=rtol, err_msg=key)
     # Later steps: the gradient all-reduce over 8 devices sums in another order, so parameters
     # differ by float32 rounding (losses agree to ~1e-7); Attn(X) becomes nearly singular while
     # training (κ up to ~5e5), where σ_min is determined only to ~eps·σ_max (backward stability):

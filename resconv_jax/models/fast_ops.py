@@ -54,7 +54,7 @@ def _matmul_bwd(residuals, g):
         db = _transposed_times(a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1]))
     else:
         db = _transposed_times(a, g)
-    return g @ jnp.swapaxes(b, -1, -2), db
+    return (g @ jnp.swapaxes(b, -1, -2)).astype(a.dtype), db.astype(b.dtype)
 
 
 matmul.defvjp(_matmul_fwd, _matmul_bwd)
@@ -72,7 +72,7 @@ def _matmul_nt_fwd(a, b):
 
 def _matmul_nt_bwd(residuals, g):
     a, b = residuals
-    return g @ b, _transposed_times(g, a)
+    return (g @ b).astype(a.dtype), _transposed_times(g, a).astype(b.dtype)
 
 
 matmul_nt.defvjp(_matmul_nt_fwd, _matmul_nt_bwd)

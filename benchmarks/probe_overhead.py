@@ -19,6 +19,8 @@ and "stacked" (stacked σ only, `probe.per_sample=False`). Timings (`--kinds`):
   run1   `run_steps(state, hp, x, y, num_steps=1)`, so that the probe runs on every step.
   chunk  K-step chunk, as train.run calls it: K = train.log_every steps per call, the probe on
          the first; its overhead is the probe's cost in training (with probe.every = 0).
+  period `--probe-every` / K chunks, the probe compiled into the first only: the probe's cost in
+         training with probe.every = `--probe-every` (default 100).
 
 Sizes: "theory" is configs/theory.py (3 runs, β = 0, 0.5, 1; P=8 M=8 d=64 d_qk=16 d_h=64);
 "large" is one run (β = 1) with P·M ≥ 1e5 rows in the stacked Z (default P=4096 M=25 d=16, d_qk=8,
@@ -162,6 +164,23 @@ def step_case(problem: Problem, probe_kind: str | None, calls: int) -> Case:
     return Case(problem, one_step, None, calls)
 
 
+class PeriodCase:
+    """`period // log_every` chunks of `log_every` steps, the probe on the first chunk only: the
+    cost of training with probe.every = period (train.run's two compiled chunk functions)."""
+
+    def __init__(self, problem: Problem, probe_kind: str | None, period: int, log_every: int):
+        self.calls, self.steps = period // log_every, log_every
+        self.first = run_steps_case(problem, probe_kind, 1, log_every)
+        self.rest = run_steps_case(problem, None, 1, log_every)
+
+    def __call__(self):
+        state, out = self.first.compiled(self.first.state, *self.first.args)
+        for _ in range(self.calls - 1):
+            state, _ = self.rest.compiled(state, *self.rest.args)
+        self.first.state = state
+        return state, out
+
+
 def measure(problem: Problem, args, calls: int, log_every: int) -> list[list[object]]:
     """Rows of the table for one size: per-step times without and with each probe."""
     kinds = {
@@ -170,6 +189,11 @@ def measure(problem: Problem, args, calls: int, log_every: int) -> list[list[obj
         "chunk": (
             f"{log_every}-step chunk, probe on its first step (as trained)",
             lambda pk: run_steps_case(problem, pk, max(1, calls // log_every), log_every),
+        ),
+        "period": (
+            f"probe.every={args.probe_every}: {args.probe_every // log_every} chunks of "
+            f"{log_every} steps, the probe on the first",
+            lambda pk: PeriodCase(problem, pk, args.probe_every, log_every),
         ),
     }
     probes = [p for p in args.probes.split(",") if p]
@@ -212,7 +236,10 @@ def main(argv=None) -> None:
     p.add_argument("--large", default="4096,25,16", help="P,M,d of the large size (one run)")
     p.add_argument("--repeats", type=int, default=0, help="interleaved repeats (0: 15 / 5)")
     p.add_argument("--probes", default="full,stacked", help="comma list of: full, stacked")
-    p.add_argument("--kinds", default="step,chunk", help="comma list of: step, run1, chunk")
+    p.add_argument("--kinds", default="step,chunk", help="comma list of: step, run1, chunk, period")
+    p.add_argument(
+        "--probe-every", type=int, default=100, help="probe period of 'period' (x log_every)"
+    )
     p.add_argument("--calls", type=int, default=0, help="calls per timing (0: 20 / 1)")
     p.add_argument("--devices", type=int, default=0, help="virtual CPU devices (set before JAX)")
     p.add_argument(

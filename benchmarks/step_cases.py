@@ -24,13 +24,8 @@ import numpy as np
 
 from benchmarks import common
 from benchmarks.common import SWEEP_BETAS
-from resconv_jax import probe, sharding
+from resconv_jax import probe, runners, sharding
 from resconv_jax.config_defaults import base_config
-
-try:  # where the train.runs_per_chunk=-1 threshold lives (it moved from train.py to runners.py)
-    from resconv_jax.runners import CPU_CHUNK_BYTES
-except ImportError:
-    from resconv_jax.train import CPU_CHUNK_BYTES
 
 VARIANTS = ("library", "chunked", "plain")
 STEP_KWARGS = {"library": {}, "plain": {"fast_backward": False}}
@@ -41,12 +36,16 @@ def own_single_runs(variant: str) -> str:
     return "plain" if variant == "plain" else "library"  # chunkB: the library model
 
 
-def train_probe(num_runs: int, num_samples: int):
-    """The probe as resconv_jax.train builds it by default, on the mesh it would pick."""
-    defaults = base_config().probe
-    mesh = sharding.make_mesh(
+def train_mesh(num_runs: int, num_samples: int) -> jax.sharding.Mesh:
+    """The mesh resconv_jax.train picks by default (mesh.sweep = mesh.data = 0)."""
+    return sharding.make_mesh(
         num_runs, num_samples, ml_collections.ConfigDict({"sweep": 0, "data": 0})
     )
+
+
+def train_probe(mesh: jax.sharding.Mesh):
+    """The probe as resconv_jax.train builds it by default, on `mesh`."""
+    defaults = base_config().probe
     return functools.partial(
         probe.probe_attention,
         mesh=mesh,
@@ -56,16 +55,12 @@ def train_probe(num_runs: int, num_samples: int):
 
 
 def auto_runs_per_chunk(size: common.Size, steps_per_call: int, data) -> tuple[int, int]:
-    """(runs per chunk, temp bytes) as `train.runs_per_chunk=-1` picks them for the 5-run sweep.
-
-    resconv_jax.train compiles the probed `run_steps` with all runs vmapped and, on a 1-device CPU
-    mesh with more than one run, chunks when its temporary buffer exceeds CPU_CHUNK_BYTES:
-    B = max(1, R * CPU_CHUNK_BYTES // temp). 0 means no chunking.
-    """
+    """(runs per chunk, temp bytes) as `train.runs_per_chunk=-1` picks them for the 5-run sweep:
+    `runners.automatic_runs_per_chunk` of the probed `run_steps` with all runs vmapped."""
     num_runs = len(SWEEP_BETAS)
-    probe_fn = train_probe(num_runs, size.P)
+    mesh = train_mesh(num_runs, size.P)
     runs = common.build_runs(
-        size, SWEEP_BETAS, steps_per_call, data=data, step_kwargs={"probe": probe_fn}
+        size, SWEEP_BETAS, steps_per_call, data=data, step_kwargs={"probe": train_probe(mesh)}
     )
     compiled = (
         jax.jit(runs.fns.run_steps, donate_argnums=0)
@@ -73,10 +68,7 @@ def auto_runs_per_chunk(size: common.Size, steps_per_call: int, data) -> tuple[i
         .compile()
     )
     temp = compiled.memory_analysis().temp_size_in_bytes
-    single_cpu = jax.default_backend() == "cpu" and jax.device_count() == 1
-    if not single_cpu or temp <= CPU_CHUNK_BYTES:
-        return 0, temp
-    return max(1, num_runs * CPU_CHUNK_BYTES // temp), temp
+    return runners.automatic_runs_per_chunk(num_runs, mesh, compiled), temp
 
 
 def build_cases(

@@ -38,6 +38,7 @@ if __package__ in (None, ""):
 from benchmarks import common, step_cases  # noqa: E402
 from benchmarks.common import SWEEP_BETAS  # noqa: E402
 from benchmarks.whole_commands import bench_commands  # noqa: E402
+from resconv_jax import runners  # noqa: E402
 
 HEADERS = ["mode", "variant", "runs", "time / step", "IQR", "vs library 5xR=1", "vs own 5xR=1"]
 
@@ -103,7 +104,7 @@ def bench_steps(args) -> str:
                 b, temp = step_cases.auto_runs_per_chunk(size, k, common.make_data(size))
                 notes.append(
                     f"{b} by train.runs_per_chunk=-1 (probed R=5 run_steps temp "
-                    f"{temp / 2**20:.1f} MiB vs {step_cases.CPU_CHUNK_BYTES / 2**20:.0f} MiB)"
+                    f"{temp / 2**20:.1f} MiB vs {runners.CPU_CHUNK_BYTES / 2**20:.0f} MiB)"
                 )
             else:
                 b = int(value)

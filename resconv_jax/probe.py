@@ -40,10 +40,13 @@ def _check_dtype(dtype) -> jnp.dtype:
     return dtype
 
 
+_qr_r = functools.partial(jnp.linalg.qr, mode="r")
+
+
 def _local_singular_values(x: jax.Array) -> jax.Array:
     """(..., N, d) -> (..., min(N, d)) singular values, QR first when the matrices are tall."""
     if x.shape[-2] > x.shape[-1]:
-        x = small_batches(functools.partial(jnp.linalg.qr, mode="r"), x)  # (..., d, d)
+        x = small_batches(_qr_r, x)  # (..., d, d)
     return small_batches(singular_values, x)
 
 
@@ -56,11 +59,9 @@ def _tsqr_singular_values(x: jax.Array, axis_name: str | None) -> jax.Array:
         sv = _local_singular_values(x)
         # On a size-1 axis pmax moves nothing; it marks sv as the same on every 'data' shard.
         return sv if axis_name is None else jax.lax.pmax(sv, axis_name)
-    qr_r = functools.partial(jnp.linalg.qr, mode="r")
-    r = small_batches(qr_r, x)  # (..., min(N_local, d), d): a short R when N_local < d
+    r = small_batches(_qr_r, x)  # (..., min(N_local, d), d): a short R when N_local < d
     r = jax.lax.all_gather(r, axis_name, axis=r.ndim - 2, tiled=True, to="invarying")
-    r = small_batches(qr_r, r)  # (..., ≤ d, d)
-    return small_batches(singular_values, r)
+    return _local_singular_values(r)  # the gathered (n_shards·min(N_local, d), d) R factors
 
 
 def singular_values(x: jax.Array) -> jax.Array:

@@ -31,6 +31,19 @@ def check_runs_per_chunk(requested: int, mesh: jax.sharding.Mesh) -> int:
     return max(requested, 0)
 
 
+def automatic_runs_per_chunk(num_runs: int, mesh: jax.sharding.Mesh, compiled) -> int:
+    """train.runs_per_chunk=-1: runs per chunk for a `compiled` chunk of all `num_runs` runs.
+
+    On a 1-device CPU mesh with more than one run whose compiled chunk needs more than
+    CPU_CHUNK_BYTES of temporaries: max(1, R · CPU_CHUNK_BYTES // temp). Otherwise 0 (all runs
+    together).
+    """
+    if mesh.devices.flat[0].platform != "cpu" or mesh.size != 1 or num_runs < 2:
+        return 0
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    return max(1, num_runs * CPU_CHUNK_BYTES // temp) if temp > CPU_CHUNK_BYTES else 0
+
+
 class ChunkRunners:
     """Compiled chunk functions, with and without the probe.
 
@@ -49,15 +62,9 @@ class ChunkRunners:
         self.runs_per_chunk = chunk if chunk < num_runs else 0  # 0: all runs together
         self._compile = functools.partial(self._compile_chunk, make_fns, config, mesh, args)
         self._with_probe = self._compile(probe_fn)
-        if (
-            config.train.runs_per_chunk == -1
-            and mesh.devices.flat[0].platform == "cpu"
-            and mesh.size == 1
-            and num_runs > 1
-        ):
-            temp = self._with_probe.memory_analysis().temp_size_in_bytes
-            if temp > CPU_CHUNK_BYTES:
-                self.runs_per_chunk = max(1, num_runs * CPU_CHUNK_BYTES // temp)
+        if config.train.runs_per_chunk == -1:
+            self.runs_per_chunk = automatic_runs_per_chunk(num_runs, mesh, self._with_probe)
+            if self.runs_per_chunk:
                 self._with_probe = self._compile(probe_fn)
         self._without_probe = None if self.probe_every else self._with_probe
 

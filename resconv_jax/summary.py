@@ -28,8 +28,7 @@ def _column(lines: list[dict], key: str) -> np.ndarray:
 def run_summaries(history: list[dict], settings: list[dict]) -> list[dict]:
     """One dict per run: settings, initial/final loss, fitted linear rate, and where measured,
     σ_min²/σ_max² of Z (layer 0) at the first and last probed steps and the certificate's hold
-    fraction (over
-    the checks whose loss is above FIT_FLOOR × the initial loss)."""
+    fraction (over the checks whose loss is above FIT_FLOOR × the initial loss)."""
     summaries = []
     for run_settings in settings:
         lines = [line for line in history if line["run"] == run_settings["run"]]

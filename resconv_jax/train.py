@@ -186,7 +186,7 @@ def run(config, workdir: str) -> list[dict]:
     make_fns = functools.partial(
         make_step_functions, graphdef, optimizer, config.optim.reduction, train.log_every
     )
-    fns = make_fns(probe=probe_fn)
+    fns = make_fns()  # loss, step, evaluate, kernel: the chunk runners add the probe
     kernel = None
     if (config.theory.every or config.optim.lr_rule == "lambda_max") and kernel_fits:
         kernel = _Kernel(jax.jit(fns.kernel_eigenvalues), _loss_scale(config, y_np))

@@ -16,6 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from resconv_jax.metrics import read_metrics  # noqa: E402
+from resconv_jax.summary import fit_rate  # noqa: E402
 
 Z_FRO = "layer0/z/sigma_min_over_fro"
 
@@ -78,7 +79,7 @@ def beta_table(history: list[dict], threshold: float = 0.0) -> tuple[list[dict],
         steps, losses = _series(history, run["run"], "loss")
         val = _series(history, run["run"], "val_loss")[1]
         fro = _series(history, run["run"], Z_FRO)[1]
-        rate = _fit_rate(steps, losses)
+        rate, _ = fit_rate(steps, losses)
         groups.setdefault((run["beta_attn"], run["beta_ffn"]), []).append(
             {
                 "final_loss": losses[-1],
@@ -99,12 +100,6 @@ def beta_table(history: list[dict], threshold: float = 0.0) -> tuple[list[dict],
             row[f"{key}_max"] = float(np.max(values))
         rows.append(row)
     return rows, threshold
-
-
-def _fit_rate(steps: np.ndarray, losses: np.ndarray) -> float:
-    from resconv_jax.summary import fit_rate
-
-    return fit_rate(steps, losses)[0]
 
 
 def plot_loss_by_beta(history: list[dict], path: str) -> None:

@@ -25,6 +25,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from resconv_jax.config_defaults import base_config, load_config_file  # noqa: E402
+from resconv_jax.data.synthetic import make_synthetic  # noqa: E402
 from resconv_jax.models import transformer  # noqa: E402
 from resconv_jax.step import init_opt_state, make_optimizer, make_step_functions  # noqa: E402
 
@@ -80,11 +81,12 @@ def sizes_from_flag(value: str) -> list[Size]:
 
 
 def make_data(size: Size, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Gaussian X (P, M, d) and Y (P, M, d_y), float32, as in resconv_jax.data.synthetic."""
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((size.P, size.M, size.d)).astype(np.float32)
-    y = rng.standard_normal((size.P, size.M, size.d_y)).astype(np.float32)
-    return x, y
+    """Gaussian X (P, M, d) and Y (P, M, d_y), float32: resconv_jax.data.synthetic's data."""
+    c = base_config().data
+    with c.unlocked():
+        c.num_samples, c.seq_len, c.dim, c.out_dim, c.seed = size.P, size.M, size.d, size.d_y, seed
+    dataset = make_synthetic(c, model_cfg=None)  # Gaussian targets need no model
+    return dataset.x_train, dataset.y_train
 
 
 def model_config(size: Size) -> transformer.ModelConfig:

@@ -21,6 +21,9 @@ and "stacked" (stacked σ only, `probe.per_sample=False`). Timings (`--kinds`):
          the first; its overhead is the probe's cost in training (with probe.every = 0).
   period `--probe-every` / K chunks, the probe compiled into the first only: the probe's cost in
          training with probe.every = `--probe-every` (default 100).
+  alone  the probe by itself, compiled on its own, on the intermediates of one real step, shown
+         as a fraction of one step without it: the least that probing every step can cost on this
+         machine unless the probe overlaps the step.
 
 Sizes: "theory" is configs/theory.py (3 runs, β = 0, 0.5, 1; P=8 M=8 d=64 d_qk=16 d_h=64);
 "large" is one run (β = 1) with P·M ≥ 1e5 rows in the stacked Z (default P=4096 M=25 d=16, d_qk=8,
@@ -181,6 +184,23 @@ class PeriodCase:
         return state, out
 
 
+class ProbeAloneCase:
+    """The probe alone, compiled on its own, on the (R, L, P, M, d) intermediates of one step."""
+
+    def __init__(self, problem: Problem, probe_kind: str, calls: int):
+        self.calls, self.steps = calls, 1
+        fns = problem.fns(None)
+        _, _, inter = jax.jit(fns.step)(problem.fresh_state(), problem.hp, problem.x, problem.y)
+        self.args = (inter["attn"], inter["z"])
+        self.compiled = jax.jit(problem.probe_fn(probe_kind)).lower(*self.args).compile()
+
+    def __call__(self):
+        out = None
+        for _ in range(self.calls):
+            out = self.compiled(*self.args)
+        return None, out
+
+
 def measure(problem: Problem, args, calls: int, log_every: int) -> list[list[object]]:
     """Rows of the table for one size: per-step times without and with each probe."""
     kinds = {
@@ -194,6 +214,14 @@ def measure(problem: Problem, args, calls: int, log_every: int) -> list[list[obj
             f"probe.every={args.probe_every}: {args.probe_every // log_every} chunks of "
             f"{log_every} steps, the probe on the first",
             lambda pk: PeriodCase(problem, pk, args.probe_every, log_every),
+        ),
+        "alone": (
+            "probe alone (no step), against one step",
+            lambda pk: (
+                step_case(problem, None, calls)
+                if pk is None
+                else ProbeAloneCase(problem, pk, calls)
+            ),
         ),
     }
     probes = [p for p in args.probes.split(",") if p]
@@ -218,10 +246,13 @@ def measure(problem: Problem, args, calls: int, log_every: int) -> list[list[obj
         ]
         for pk in PROBES:
             if pk in per_step:
-                row += [
-                    common.fmt_time(per_step[pk]),
-                    f"{100 * (per_step[pk] / per_step['none'] - 1):+.1f}%",
-                ]
+                ratio = per_step[pk] / per_step["none"]
+                cost = (
+                    f"{100 * ratio:.1f}% of a step"
+                    if kind == "alone"
+                    else f"{100 * (ratio - 1):+.1f}%"
+                )
+                row += [common.fmt_time(per_step[pk]), cost]
             else:
                 row += ["", ""]
         row.append(" / ".join(common.spread(times[k]) for k in cases))
@@ -236,7 +267,9 @@ def main(argv=None) -> None:
     p.add_argument("--large", default="4096,25,16", help="P,M,d of the large size (one run)")
     p.add_argument("--repeats", type=int, default=0, help="interleaved repeats (0: 15 / 5)")
     p.add_argument("--probes", default="full,stacked", help="comma list of: full, stacked")
-    p.add_argument("--kinds", default="step,chunk", help="comma list of: step, run1, chunk, period")
+    p.add_argument(
+        "--kinds", default="step,chunk", help="comma list of: step, run1, chunk, period, alone"
+    )
     p.add_argument(
         "--probe-every", type=int, default=100, help="probe period of 'period' (x log_every)"
     )

@@ -16,15 +16,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from resconv_jax.metrics import read_metrics  # noqa: E402
-from resconv_jax.summary import fit_rate  # noqa: E402
+from resconv_jax.summary import fit_rate, series  # noqa: E402
 
 Z_FRO = "layer0/z/sigma_min_over_fro"
-
-
-def _series(history: list[dict], run: int, key: str) -> tuple[np.ndarray, np.ndarray]:
-    lines = [line for line in history if line["run"] == run and key in line]
-    values = np.array([float(line[key]) for line in lines])
-    return np.array([line["step"] for line in lines]), values
 
 
 def _runs(history: list[dict]) -> list[dict]:
@@ -46,9 +40,9 @@ def plot_training(history: list[dict], path: str) -> None:
     colors = plt.cm.viridis(np.linspace(0, 0.9, max(len(_runs(history)), 1)))
     for color, run in zip(colors, _runs(history), strict=False):
         label = f"{_beta_label(run)}, seed {run['seed']}"
-        ax_loss.semilogy(*_series(history, run["run"], "loss"), color=color, label=label)
+        ax_loss.semilogy(*series(history, run["run"], "loss"), color=color, label=label)
         for key, style in (("layer0/z/sigma_min", "-"), ("layer0/attn/sigma_min", ":")):
-            steps, values = _series(history, run["run"], key)
+            steps, values = series(history, run["run"], key)
             if values.size:
                 ax_sigma.semilogy(steps, values, style, color=color)
     ax_loss.set(xlabel="step", ylabel="training loss", title="Loss (log scale)")
@@ -72,13 +66,13 @@ def beta_table(history: list[dict], threshold: float = 0.0) -> tuple[list[dict],
     every run reaches. Returns (rows, the threshold used).
     """
     runs = _runs(history)
-    finals = {r["run"]: _series(history, r["run"], "loss")[1][-1] for r in runs}
+    finals = {r["run"]: series(history, r["run"], "loss")[1][-1] for r in runs}
     threshold = threshold or 1.5 * max(finals.values())
     groups: dict[tuple, list[dict]] = {}
     for run in runs:
-        steps, losses = _series(history, run["run"], "loss")
-        val = _series(history, run["run"], "val_loss")[1]
-        fro = _series(history, run["run"], Z_FRO)[1]
+        steps, losses = series(history, run["run"], "loss")
+        val = series(history, run["run"], "val_loss")[1]
+        fro = series(history, run["run"], Z_FRO)[1]
         rate, _ = fit_rate(steps, losses)
         groups.setdefault((run["beta_attn"], run["beta_ffn"]), []).append(
             {
@@ -108,7 +102,7 @@ def plot_loss_by_beta(history: list[dict], path: str) -> None:
     by_beta: dict[tuple, list[np.ndarray]] = {}
     steps = None
     for run in _runs(history):
-        steps, losses = _series(history, run["run"], "loss")
+        steps, losses = series(history, run["run"], "loss")
         by_beta.setdefault((run["beta_attn"], run["beta_ffn"], _beta_label(run)), []).append(losses)
     colors = plt.cm.viridis(np.linspace(0, 0.9, max(len(by_beta), 1)))
     for color, ((_, _, label), curves) in zip(colors, sorted(by_beta.items()), strict=False):

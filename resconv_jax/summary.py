@@ -21,8 +21,11 @@ def fit_rate(steps, losses) -> tuple[float, float]:
     return fit_linear_rate(steps[keep], losses[keep])
 
 
-def _column(lines: list[dict], key: str) -> np.ndarray:
-    return np.array([float(line[key]) for line in lines if key in line])
+def series(history: list[dict], run: int, key: str) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, values) of metric `key` for one run: the metrics lines that have it, in order."""
+    lines = [line for line in history if line["run"] == run and key in line]
+    values = np.array([float(line[key]) for line in lines])
+    return np.array([line["step"] for line in lines]), values
 
 
 def run_summaries(history: list[dict], settings: list[dict]) -> list[dict]:
@@ -31,21 +34,23 @@ def run_summaries(history: list[dict], settings: list[dict]) -> list[dict]:
     fraction (over the checks whose loss is above FIT_FLOOR × the initial loss)."""
     summaries = []
     for run_settings in settings:
-        lines = [line for line in history if line["run"] == run_settings["run"]]
-        losses = _column(lines, "loss")
-        rate, r2 = fit_rate([line["step"] for line in lines], losses)
+        run = run_settings["run"]
+        lines = [line for line in history if line["run"] == run]
+        steps, losses = series(lines, run, "loss")
+        rate, r2 = fit_rate(steps, losses)
         summary = {**run_settings, "initial_loss": losses[0], "final_loss": losses[-1]}
         summary |= {"final_step": lines[-1]["step"], "rate": rate, "rate_r2": r2}
         if "val_loss" in lines[-1]:
             summary["final_val_loss"] = float(lines[-1]["val_loss"])
-        sigma_min, sigma_max = (_column(lines, f"layer0/z/sigma_{k}") for k in ("min", "max"))
+        sigma_min, sigma_max = (
+            series(lines, run, f"layer0/z/sigma_{k}")[1] for k in ("min", "max")
+        )
         if sigma_min.size:
             ratio = (sigma_min / sigma_max) ** 2
             summary |= {"z_sigma_ratio_sq_start": ratio[0], "z_sigma_ratio_sq_end": ratio[-1]}
         # The certificate compares L_{t+1}/L_t with its bound: meaningless at float32's floor.
-        holds = _column(
-            [line for line in lines if line["loss"] > FIT_FLOOR * losses[0]], "ntk/holds"
-        )
+        above_floor = [line for line in lines if line["loss"] > FIT_FLOOR * losses[0]]
+        holds = series(above_floor, run, "ntk/holds")[1]
         if holds.size:
             summary |= {
                 "certificate_hold_fraction": float(holds.mean()),

@@ -14,7 +14,7 @@ CHOICES = {
     "optim.lr_rule": ("fixed", "lambda_max"),
     "probe.dtype": ("float32", "float64"),
 }
-POSITIVE_INTS = (
+_POSITIVE_INTS = (
     "model.d_qk",
     "model.d_h",
     "model.num_layers",
@@ -27,13 +27,18 @@ POSITIVE_INTS = (
     "train.checkpoint_every",
     "train.keep_checkpoints",
 )
-NON_NEGATIVE_INTS = (
+_NON_NEGATIVE_INTS = (
     "train.num_steps",
     "mesh.sweep",
     "mesh.data",
     "theory.every",
     "probe.every",
     "theory.max_jacobian_entries",
+)
+INT_MINIMUM = (
+    dict.fromkeys(_POSITIVE_INTS, 1)
+    | dict.fromkeys(_NON_NEGATIVE_INTS, 0)
+    | {"train.runs_per_chunk": -1}  # -1: automatic
 )
 POSITIVE_FLOATS = ("optim.lr", "optim.lr_factor")
 NON_NEGATIVE_FLOATS = ("model.beta_attn", "model.beta_ffn")
@@ -58,18 +63,15 @@ def validate_config(config) -> None:
         value = _get(config, field)
         if value is not None and value not in allowed:
             raise ConfigError(f"config.{field}={value!r}: expected one of {', '.join(allowed)}")
-    for field in POSITIVE_INTS + NON_NEGATIVE_INTS:
+    for field, minimum in INT_MINIMUM.items():
         value = _get(config, field)
         if value is None:
             continue
         if not isinstance(value, int) or isinstance(value, bool):
-            raise ConfigError(f"config.{field}={value!r}: expected an integer")
-        if value < 0 or (value == 0 and field in POSITIVE_INTS):
-            sign = "positive" if field in POSITIVE_INTS else "non-negative"
-            raise ConfigError(f"config.{field}={value}: must be {sign}")
-    chunk = _get(config, "train.runs_per_chunk")
-    if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < -1):
-        raise ConfigError(f"config.train.runs_per_chunk={chunk!r}: expected an integer >= -1")
+            raise ConfigError(f"config.{field}={value!r}: expected an integer >= {minimum}")
+        if value < minimum:
+            bound = {1: "positive", 0: "non-negative"}.get(minimum, f">= {minimum}")
+            raise ConfigError(f"config.{field}={value}: must be {bound}")
     for field in POSITIVE_FLOATS:
         if _get(config, field) is not None:
             _check_lr(f"config.{field}", _get(config, field))

@@ -139,7 +139,7 @@ def test_diverging_run_stops_with_one_line_and_keeps_checkpoint(tmp_path):
         ({"optim.name": "lbfgs"}, "config.optim.name='lbfgs'"),
         ({"train.checkpoint_every": 7}, "multiple of train.log_every"),
         ({"mesh.sweep": 2}, "does not divide the 3 runs"),
-        ({"train.runs_per_chunk": -2}, "expected an integer >= -1"),
+        ({"train.runs_per_chunk": -2}, "config.train.runs_per_chunk=-2: must be >= -1"),
         ({"train.runs_per_chunk": 1}, "needs a 1-device mesh"),
         ({"probe.every": 7}, "config.probe.every=7: must be a multiple"),
     ],

@@ -23,7 +23,8 @@ and "stacked" (stacked σ only, `probe.per_sample=False`). Timings (`--kinds`):
          training with probe.every = `--probe-every` (default 100).
   alone  the probe by itself, compiled on its own, on the intermediates of one real step, shown
          as a fraction of one step without it: the least that probing every step can cost on this
-         machine unless the probe overlaps the step.
+         machine unless the probe overlaps the step. It also prints the probe's FLOP floor (the
+         Householder reductions that any exact dense SVD does) against XLA's FLOP count of the step.
 
 Sizes: "theory" is configs/theory.py (3 runs, β = 0, 0.5, 1; P=8 M=8 d=64 d_qk=16 d_h=64);
 "large" is one run (β = 1) with P·M ≥ 1e5 rows in the stacked Z (default P=4096 M=25 d=16, d_qk=8,
@@ -184,14 +185,41 @@ class PeriodCase:
         return state, out
 
 
+def _bidiagonalization_flop(m: int, n: int) -> float:
+    """Householder reduction of an m×n matrix to bidiagonal form: what any exact dense SVD does."""
+    m, n = max(m, n), min(m, n)
+    return 4 * m * n * n - 4 * n**3 / 3
+
+
+def probe_flop_floor(shape: tuple[int, ...], per_sample: bool) -> float:
+    """Least FLOP count of the probe of (R, L, P, M, d) intermediates Attn(X) and Z: a Householder
+    QR of each tall stacked (P·M, d) matrix then the SVD of its R, and one SVD per sample."""
+    runs, layers, n_samples, m, d = shape
+    rows = n_samples * m
+    if rows > d:
+        stacked = 2 * rows * d * d - 2 * d**3 / 3 + _bidiagonalization_flop(d, d)
+    else:
+        stacked = _bidiagonalization_flop(rows, d)
+    sample = n_samples * _bidiagonalization_flop(m, d) if per_sample else 0.0
+    return 2 * runs * layers * (stacked + sample)
+
+
+def _flop(compiled) -> float:
+    analysis = compiled.cost_analysis()
+    return (analysis[0] if isinstance(analysis, list) else analysis)["flops"]
+
+
 class ProbeAloneCase:
     """The probe alone, compiled on its own, on the (R, L, P, M, d) intermediates of one step."""
 
     def __init__(self, problem: Problem, probe_kind: str, calls: int):
         self.calls, self.steps = calls, 1
-        fns = problem.fns(None)
-        _, _, inter = jax.jit(fns.step)(problem.fresh_state(), problem.hp, problem.x, problem.y)
+        step = jax.jit(problem.fns(None).step)
+        args = (problem.fresh_state(), problem.hp, problem.x, problem.y)
+        self.step_flop = _flop(step.lower(*args).compile())
+        _, _, inter = step(*args)
         self.args = (inter["attn"], inter["z"])
+        self.floor_flop = probe_flop_floor(inter["z"].shape, PROBES[probe_kind]["per_sample"])
         self.compiled = jax.jit(problem.probe_fn(probe_kind)).lower(*self.args).compile()
 
     def __call__(self):
@@ -256,6 +284,13 @@ def measure(problem: Problem, args, calls: int, log_every: int) -> list[list[obj
             else:
                 row += ["", ""]
         row.append(" / ".join(common.spread(times[k]) for k in cases))
+        for pk in probes if kind == "alone" else ():
+            case = cases[pk]
+            print(
+                f"  FLOP floor, {PROBES[pk]['label']}: >= {case.floor_flop / 1e6:.2f} MFLOP "
+                f"against a step of {case.step_flop / 1e6:.2f} MFLOP (XLA's count): "
+                f"{100 * case.floor_flop / case.step_flop:.1f}% at equal speed"
+            )
         rows.append(row)
         print("  " + " | ".join(str(c) for c in row), flush=True)
     return rows

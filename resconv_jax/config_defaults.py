@@ -26,6 +26,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.v_scale = 1.0  # init scale of W_V (variance scale²/d)
     c.model.mlp_scale = 1.0  # init scale of W_1 (scale²/d), W_2 (scale²/d_h)
     c.model.head_scale = 1.0  # init scale of W_U (scale²/d)
+    c.model.dtype = "float32"  # of weights and activations; "float64" turns on jax_enable_x64
     c.model.beta_attn = 1.0  # β_a: Z = Attn(X) + β_a X (the paper: 1; "no residual": 0)
     c.model.beta_ffn = 1.0  # β_f: H = relu(Z W_1) W_2 + β_f Z
 
@@ -76,7 +77,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.probe.enabled = True
     c.probe.every = 0  # steps between probes, a multiple of train.log_every; 0: every log step
     c.probe.per_sample = True  # also min_p σ_min(Z_p), min_p σ_min(Attn(X_p)) (one SVD per sample)
-    c.probe.dtype = "float32"  # "float32", or "float64" where JAX_ENABLE_X64 is set
+    c.probe.dtype = "float32"  # of the probe's QR/SVD; "float64" turns on jax_enable_x64
 
     c.theory = ml_collections.ConfigDict()
     c.theory.every = 0  # steps between tangent-kernel certificates (0: off); multiple of log_every

@@ -18,7 +18,7 @@ from ml_collections import config_flags
 
 from resconv_jax import train
 from resconv_jax.summary import format_summary
-from resconv_jax.validation import ConfigError
+from resconv_jax.validation import ConfigError, wants_float64
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to an ml_collections config file.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics); resumes.")
@@ -51,6 +51,9 @@ def main(argv: list[str]) -> None:
         task = config.task
     except OSError as error:  # the config file failed to load; config_flags defers the error
         _fail(" ".join(str(error).split()), 2)
+    if wants_float64(config):
+        jax.config.update("jax_enable_x64", True)
+        print("float64 in the config: jax_enable_x64 is on", flush=True)
     try:
         if task == "rank_collapse":
             from resconv_jax import rank_collapse

@@ -319,6 +319,7 @@ def run(config, workdir: str) -> list[dict]:
                 qk_init=qk_init,
                 qk_scale=config.model.qk_scale,
                 v_scale=config.model.v_scale,
+                dtype=config.model.dtype,
             )
             graphdef, params = make_blocks(cfg, seeds)
             stats = jax.device_get(attention_spectra(graphdef, params, jnp.asarray(x)))

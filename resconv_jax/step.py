@@ -133,12 +133,6 @@ def make_step_functions(
     evaluate = jax.vmap(loss, in_axes=(0, 0, None, None))
 
     def run_steps(state, hp, x, y, num_steps):
-        num_runs = hp["beta_attn"].shape[0]
-        buffers = {
-            name: jnp.full((steps_per_call, num_runs), jnp.nan, jnp.float32)
-            for name in ("loss", "grad_norm")
-        }
-
         def body(i, carry):
             state, buffers = carry
             state, metrics, _ = step(state, hp, x, y)
@@ -148,11 +142,15 @@ def make_step_functions(
         # The chunk's first step runs outside the loop, so that the probe of its intermediates
         # (which needs collectives) is not inside control flow.
         state, metrics, inter = step(state, hp, x, y)
-        buffers = {k: buffers[k].at[0].set(metrics[k]) for k in buffers}
+        buffers = {  # in the training dtype (float32, or float64 with model.dtype=float64)
+            k: jnp.full((steps_per_call, *v.shape), jnp.nan, v.dtype).at[0].set(v)
+            for k, v in metrics.items()
+        }
         state, buffers = jax.lax.fori_loop(1, num_steps, body, (state, buffers))
         if probe is not None:
             probed = probe(inter["attn"], inter["z"])
-            buffers |= {k: v.astype(jnp.float32)[None] for k, v in probed.items()}
+            dtype = metrics["loss"].dtype
+            buffers |= {k: v.astype(dtype)[None] for k, v in probed.items()}
         return state, buffers
 
     return StepFunctions(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import jax
+
 CHOICES = {
     "task": ("train", "rank_collapse"),
     "model.qk_init": ("1/d", "1/d_qk"),
@@ -12,6 +14,7 @@ CHOICES = {
     "optim.name": ("sgd", "momentum", "adam"),
     "optim.reduction": ("sum", "mean"),
     "optim.lr_rule": ("fixed", "lambda_max"),
+    "model.dtype": ("float32", "float64"),
     "probe.dtype": ("float32", "float64"),
 }
 _POSITIVE_INTS = (
@@ -40,12 +43,18 @@ INT_MINIMUM = (
     | dict.fromkeys(_NON_NEGATIVE_INTS, 0)
     | {"train.runs_per_chunk": -1}  # -1: automatic
 )
+FLOAT64_FIELDS = ("model.dtype", "probe.dtype")
 POSITIVE_FLOATS = ("optim.lr", "optim.lr_factor")
 NON_NEGATIVE_FLOATS = ("model.beta_attn", "model.beta_ffn")
 
 
 class ConfigError(ValueError):
     """A config value that cannot be run."""
+
+
+def wants_float64(config) -> bool:
+    """Whether the config asks for float64 anywhere (weights or the probe)."""
+    return any(_get(config, field) == "float64" for field in FLOAT64_FIELDS)
 
 
 def _get(config, dotted: str):
@@ -63,6 +72,12 @@ def validate_config(config) -> None:
         value = _get(config, field)
         if value is not None and value not in allowed:
             raise ConfigError(f"config.{field}={value!r}: expected one of {', '.join(allowed)}")
+    for field in FLOAT64_FIELDS:
+        if _get(config, field) == "float64" and not jax.config.jax_enable_x64:
+            raise ConfigError(
+                f"config.{field}=float64 needs jax_enable_x64: run python -m resconv_jax.main "
+                "(which turns it on for float64 configs) or set JAX_ENABLE_X64=1"
+            )
     for field, minimum in INT_MINIMUM.items():
         value = _get(config, field)
         if value is None:

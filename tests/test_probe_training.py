@@ -6,6 +6,7 @@ meshes, and never move Z between devices; the certificate must hold where the th
 and the divergence message must name the stable step size.
 """
 
+import dataclasses
 import functools
 import os
 
@@ -23,6 +24,7 @@ from resconv_jax.metrics import read_metrics
 from resconv_jax.models import transformer
 from resconv_jax.step import make_optimizer, make_step_functions
 from resconv_jax.sweep import expand_runs, run_hparams
+from resconv_jax.validation import ConfigError
 
 TINY = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.py")
 PROBE_KEYS = [
@@ -134,6 +136,44 @@ def test_probe_values_match_an_svd_of_the_models_z(probed_run):
         sv = reference_z_singular_values(config, record["beta_attn"], record["seed"])
         np.testing.assert_allclose(record["layer0/z/sigma_max"], sv[0], rtol=1e-4)
         np.testing.assert_allclose(record["layer0/z/sigma_min"], sv[-1], rtol=1e-3)
+
+
+SHORT = {"train.num_steps": 10, "train.checkpoint_every": 10}
+
+
+def test_float64_probe_of_a_float32_model(probed_run, tmp_path):
+    """x64 on for the probe only: the same float32 training, the probe's values in float64."""
+    _, probed = probed_run
+    with jax.enable_x64(True):
+        config = tiny(**SHORT, **{"probe.dtype": "float64"})
+        train.run(config, str(tmp_path))
+        for record in records_at(tmp_path, 0):
+            sv = reference_z_singular_values(config, record["beta_attn"], record["seed"])
+            np.testing.assert_allclose(record["layer0/z/sigma_max"], sv[0], rtol=1e-4)
+            np.testing.assert_allclose(record["layer0/z/sigma_min"], sv[-1], rtol=1e-3)
+    float32_losses = [row for row in loss_column(probed) if row[0] <= 10]
+    assert loss_column(tmp_path) == float32_losses
+
+
+def test_float64_model_trains_in_float64_from_the_float32_draws(tmp_path):
+    with jax.enable_x64(True):
+        config = tiny(**SHORT, **{"model.dtype": "float64"})
+        train.run(config, str(tmp_path))
+        params64 = final_params(config, tmp_path)
+        model_cfg = transformer.model_config(config.model, d=32, d_y=1)
+        _, init64 = transformer.init_params(model_cfg, 0)
+    _, init32 = transformer.init_params(dataclasses.replace(model_cfg, dtype="float32"), 0)
+    assert {a.dtype for a in jax.tree.leaves(params64)} == {np.dtype(np.float64)}
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, np.float64(b)), init64, init32)
+    losses = [loss for step, run, loss in loss_column(tmp_path) if run == 0]
+    assert losses[-1] < losses[0]
+
+
+def test_float64_without_x64_is_one_line_config_error(tmp_path):
+    for field in ("model.dtype", "probe.dtype"):
+        with pytest.raises(ConfigError, match=f"config.{field}=float64 needs jax_enable_x64"):
+            train.run(tiny(**{field: "float64"}), str(tmp_path / "run"))
+        assert not (tmp_path / "run").exists()
 
 
 def test_probe_values_same_on_eight_devices_and_one(probed_run, tmp_path):

@@ -17,6 +17,7 @@ every β.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Literal
 
 import jax
@@ -44,6 +45,7 @@ class ModelConfig:
     v_scale: float = 1.0
     mlp_scale: float = 1.0
     head_scale: float = 1.0
+    dtype: Literal["float32", "float64"] = "float32"  # of the weights (float64 needs x64)
 
 
 def model_config(model_cfg, *, d: int, d_y: int) -> ModelConfig:
@@ -59,11 +61,17 @@ def model_config(model_cfg, *, d: int, d_y: int) -> ModelConfig:
         v_scale=model_cfg.v_scale,
         mlp_scale=model_cfg.mlp_scale,
         head_scale=model_cfg.head_scale,
+        dtype=model_cfg.dtype,
     )
 
 
-def _gaussian(key: jax.Array, shape: tuple[int, int], scale: float, fan_in: int) -> nnx.Param:
-    return nnx.Param(scale * jax.random.normal(key, shape) / jnp.sqrt(fan_in))
+def _gaussian(
+    key: jax.Array, shape: tuple[int, int], scale: float, fan_in: int, dtype: str
+) -> nnx.Param:
+    """(shape) weights of variance scale²/fan_in, drawn in float32 whatever `dtype`, so that a
+    seed gives the same weights in float32 and in float64."""
+    weights = scale * jax.random.normal(key, shape, jnp.float32) / jnp.sqrt(jnp.float32(fan_in))
+    return nnx.Param(weights.astype(dtype))
 
 
 class Block(nnx.Module):
@@ -71,11 +79,12 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         qk_fan_in = cfg.d if cfg.qk_init == "1/d" else cfg.d_qk
-        self.w_q = _gaussian(rngs.params(), (cfg.d, cfg.d_qk), cfg.qk_scale, qk_fan_in)
-        self.w_k = _gaussian(rngs.params(), (cfg.d, cfg.d_qk), cfg.qk_scale, qk_fan_in)
-        self.w_v = _gaussian(rngs.params(), (cfg.d, cfg.d), cfg.v_scale, cfg.d)
-        self.w_1 = _gaussian(rngs.params(), (cfg.d, cfg.d_h), cfg.mlp_scale, cfg.d)
-        self.w_2 = _gaussian(rngs.params(), (cfg.d_h, cfg.d), cfg.mlp_scale, cfg.d_h)
+        gaussian = functools.partial(_gaussian, dtype=cfg.dtype)
+        self.w_q = gaussian(rngs.params(), (cfg.d, cfg.d_qk), cfg.qk_scale, qk_fan_in)
+        self.w_k = gaussian(rngs.params(), (cfg.d, cfg.d_qk), cfg.qk_scale, qk_fan_in)
+        self.w_v = gaussian(rngs.params(), (cfg.d, cfg.d), cfg.v_scale, cfg.d)
+        self.w_1 = gaussian(rngs.params(), (cfg.d, cfg.d_h), cfg.mlp_scale, cfg.d)
+        self.w_2 = gaussian(rngs.params(), (cfg.d_h, cfg.d), cfg.mlp_scale, cfg.d_h)
 
     def attention(self, x: jax.Array, *, fast_backward: bool = False) -> jax.Array:
         """Attn(X) for a batch: (P, M, d) -> (P, M, d). See `Transformer` for `fast_backward`."""
@@ -108,7 +117,7 @@ class Transformer(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
-        self.w_u = _gaussian(rngs.params(), (cfg.d, cfg.d_y), cfg.head_scale, cfg.d)
+        self.w_u = _gaussian(rngs.params(), (cfg.d, cfg.d_y), cfg.head_scale, cfg.d, cfg.dtype)
 
     def __call__(
         self,

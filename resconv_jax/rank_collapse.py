@@ -48,6 +48,12 @@ QK_INITS = CHOICES["model.qk_init"]
 # recomputation agrees to 1e-3 relative at 3e-6, and gives 1e-9 to 1e-15 where float32 says 1e-8).
 FLOAT32_FLOOR = 1e-7
 
+
+def rounding_floor(dtype: str) -> float:
+    """FLOAT32_FLOOR scaled by the machine epsilon of `dtype` (~1.9e-16 for float64)."""
+    return FLOAT32_FLOOR * float(np.finfo(dtype).eps / np.finfo(np.float32).eps)
+
+
 # Per-seed metrics of each matrix ("attn": Attn(X), "z": Attn(X) + X), in CSV column order.
 METRICS = (
     "ratio_p_mean",  # mean over p of σ_min(A_p)/σ_max(A_p)
@@ -229,8 +235,9 @@ def final_line(rows: list[dict]) -> str:
     )
 
 
-def plot(path: str, rows: list[dict], x_ratio: float, title: str) -> None:
+def plot(path: str, rows: list[dict], x_ratio: float, title: str, dtype: str = "float32") -> None:
     """σ_min/σ_max against d_QK (both log scale), one panel per qk_init; bands span the seeds.
+    Ratios below the rounding floor of `dtype` (the attention's precision) are shaded.
 
     Solid: per-sample ratio (mean over p); dashed: stacked (P·M, d) matrix; dotted: X itself.
     """
@@ -274,13 +281,14 @@ def plot(path: str, rows: list[dict], x_ratio: float, title: str) -> None:
         ax.set_title(f"$W_Q, W_K$ entries of variance ${variance}$")
         ax.grid(True, which="major", alpha=0.3)
     low, _ = axes[0].get_ylim()
-    if low < FLOAT32_FLOOR:
+    floor = rounding_floor(dtype)
+    if low < floor:
         for ax in axes:
-            ax.axhspan(low, FLOAT32_FLOOR, color="k", alpha=0.06, lw=0)
+            ax.axhspan(low, floor, color="k", alpha=0.06, lw=0)
         axes[-1].text(
             0.98,
             0.02,
-            "float32 rounding level",
+            f"{dtype} rounding level",
             transform=axes[-1].transAxes,
             ha="right",
             va="bottom",
@@ -304,7 +312,8 @@ def run(config, workdir: str) -> list[dict]:
     qk_inits, d_qk_values, seeds = validate(config)
     check_workdir(workdir)
     start = time.perf_counter()
-    x = make_data(config.data)  # (P, M, d)
+    dtype = config.model.dtype  # of the weights, so of the attention and its SVDs
+    x = make_data(config.data).astype(dtype)  # (P, M, d)
     n_samples, n_tokens, d = x.shape
     x_sv = np.linalg.svd(x.astype(np.float64), compute_uv=False)  # (P, min(M, d))
     x_ratio = float(np.mean(x_sv[:, -1] / x_sv[:, 0]))
@@ -341,11 +350,11 @@ def run(config, workdir: str) -> list[dict]:
         f"Rank collapse at initialization: d = {d}, M = {n_tokens}, P = {n_samples}, "
         f"{len(seeds)} seed{'s' if len(seeds) > 1 else ''} (band: seed min–max)"
     )
-    plot(os.path.join(workdir, PLOT_FILE), rows, x_ratio, title)
+    plot(os.path.join(workdir, PLOT_FILE), rows, x_ratio, title, dtype)
 
     print(
         f"rank collapse at initialization: X (P={n_samples}, M={n_tokens}, d={d}), "
-        f"data seed {config.data.seed}, {len(seeds)} init seeds; {elapsed:.1f} s",
+        f"data seed {config.data.seed}, {len(seeds)} init seeds, {dtype}; {elapsed:.1f} s",
         flush=True,
     )
     print(f"X itself: per-sample σ_min/σ_max mean over p = {x_ratio:.3f}", flush=True)
@@ -353,10 +362,11 @@ def run(config, workdir: str) -> list[dict]:
     print(
         f"wrote {CSV_FILE}, {SEEDS_CSV_FILE}, {PLOT_FILE}, {CONFIG_FILE} to {workdir}", flush=True
     )
-    if any(r["attn_ratio_p_mean/min"] < FLOAT32_FLOOR for r in rows):
+    if any(r["attn_ratio_p_mean/min"] < rounding_floor(dtype) for r in rows):
+        hint = "; --config.model.dtype=float64 computes them in float64" * (dtype == "float32")
         print(
-            f"note: ratios below {FLOAT32_FLOOR:.0e} are at float32 rounding level; "
-            "the true values are smaller",
+            f"note: ratios below {rounding_floor(dtype):.0e} are at {dtype} rounding level; "
+            f"the true values are smaller{hint}",
             flush=True,
         )
     print(final_line(rows), flush=True)

@@ -123,6 +123,18 @@ def test_attn_collapses_with_d_qk_and_the_residual_does_not(tiny_run):
         assert r["z_ratio_stacked/min"] > 0.2
 
 
+def test_float64_agrees_with_float32_above_the_float32_floor(tiny_run, tmp_path):
+    """The same weights (drawn in float32) in float64: the ratios float32 resolves agree."""
+    _, rows32 = tiny_run
+    with jax.enable_x64(True):
+        rows64 = rank_collapse.run(tiny(**{"model.dtype": "float64"}), str(tmp_path))
+    for r32, r64 in zip(rows32, rows64, strict=True):
+        for column in ("attn_ratio_p_mean/mean", "z_ratio_p_mean/mean", "attn_ratio_stacked/mean"):
+            assert r32[column] > rank_collapse.FLOAT32_FLOOR
+            np.testing.assert_allclose(r64[column], r32[column], rtol=1e-3, err_msg=column)
+    assert rank_collapse.rounding_floor("float64") < 1e-15
+
+
 def test_block_is_layer_zero_of_the_transformer():
     cfg = transformer.ModelConfig(d=4, d_qk=8, d_h=6, d_y=1, qk_init="1/d_qk")
     _, stacked = rank_collapse.make_blocks(cfg, (3, 5))

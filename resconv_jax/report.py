@@ -6,6 +6,7 @@ Written at the end of every training run; `python -m resconv_jax.report WORKDIR`
 from __future__ import annotations
 
 import csv
+import json
 import os
 import sys
 
@@ -16,7 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from resconv_jax.metrics import read_metrics  # noqa: E402
-from resconv_jax.summary import fit_rate, series  # noqa: E402
+from resconv_jax.summary import FIT_FLOOR, fit_floor, fit_rate, series  # noqa: E402
 
 Z_FRO = "layer0/z/sigma_min_over_fro"
 
@@ -59,11 +60,14 @@ def steps_to_threshold(steps: np.ndarray, losses: np.ndarray, threshold: float) 
     return float(steps[below[0]]) if below.size else float("nan")
 
 
-def beta_table(history: list[dict], threshold: float = 0.0) -> tuple[list[dict], float]:
+def beta_table(
+    history: list[dict], threshold: float = 0.0, floor: float = FIT_FLOOR
+) -> tuple[list[dict], float]:
     """One row per (β_a, β_f): means (and ranges) over the runs (seeds) that share it.
 
     `threshold` for steps-to-threshold; 0 picks 1.5 × the largest final training loss, a level
-    every run reaches. Returns (rows, the threshold used).
+    every run reaches. `floor`: the rate fit's, as in `summary.fit_rate`. Returns (rows, the
+    threshold used).
     """
     runs = _runs(history)
     finals = {r["run"]: series(history, r["run"], "loss")[1][-1] for r in runs}
@@ -73,7 +77,7 @@ def beta_table(history: list[dict], threshold: float = 0.0) -> tuple[list[dict],
         steps, losses = series(history, run["run"], "loss")
         val = series(history, run["run"], "val_loss")[1]
         fro = series(history, run["run"], Z_FRO)[1]
-        rate, _ = fit_rate(steps, losses)
+        rate, _ = fit_rate(steps, losses, floor)
         groups.setdefault((run["beta_attn"], run["beta_ffn"]), []).append(
             {
                 "final_loss": losses[-1],
@@ -134,10 +138,12 @@ def plot_sigma_by_beta(rows: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def write_reports(workdir: str, history: list[dict], threshold: float = 0.0) -> list[dict]:
+def write_reports(
+    workdir: str, history: list[dict], threshold: float = 0.0, floor: float = FIT_FLOOR
+) -> list[dict]:
     """training.png, loss_by_beta.png, sigma_by_beta.png and beta_table.csv in `workdir`."""
     plot_training(history, os.path.join(workdir, "training.png"))
-    rows, threshold = beta_table(history, threshold)
+    rows, threshold = beta_table(history, threshold, floor)
     if len(rows) > 1:
         plot_loss_by_beta(history, os.path.join(workdir, "loss_by_beta.png"))
         if not np.isnan(rows[0]["z_sigma_min_over_fro_start"]):
@@ -166,6 +172,18 @@ def format_beta_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _saved_fit_floor(workdir: str) -> float:
+    """The fit floor of the model dtype in the run's config.json (float32 when it is absent)."""
+    try:
+        with open(os.path.join(workdir, "config.json")) as f:
+            dtype = json.load(f).get("model", {}).get("dtype", "float32")
+    except FileNotFoundError:
+        dtype = "float32"
+    return fit_floor(dtype)
+
+
 if __name__ == "__main__":
-    rows = write_reports(sys.argv[1], read_metrics(sys.argv[1]))
+    rows = write_reports(
+        sys.argv[1], read_metrics(sys.argv[1]), floor=_saved_fit_floor(sys.argv[1])
+    )
     print(format_beta_table(rows))

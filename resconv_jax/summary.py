@@ -12,12 +12,17 @@ from resconv_jax.theory import fit_linear_rate
 FIT_FLOOR = 1e-7
 
 
-def fit_rate(steps, losses) -> tuple[float, float]:
-    """(ρ, R²) of log L = a + t·log ρ over the logged steps with L > FIT_FLOOR × L_0."""
+def fit_floor(dtype: str) -> float:
+    """FIT_FLOOR scaled by the machine epsilon of the training dtype (~1.9e-16 for float64)."""
+    return FIT_FLOOR * float(np.finfo(dtype).eps / np.finfo(np.float32).eps)
+
+
+def fit_rate(steps, losses, floor: float = FIT_FLOOR) -> tuple[float, float]:
+    """(ρ, R²) of log L = a + t·log ρ over the logged steps with L > floor × L_0."""
     steps, losses = np.asarray(steps, float), np.asarray(losses, float)
     if not losses.size:
         return math.nan, math.nan
-    keep = losses > FIT_FLOOR * losses[0]
+    keep = losses > floor * losses[0]
     return fit_linear_rate(steps[keep], losses[keep])
 
 
@@ -28,16 +33,18 @@ def series(history: list[dict], run: int, key: str) -> tuple[np.ndarray, np.ndar
     return np.array([line["step"] for line in lines]), values
 
 
-def run_summaries(history: list[dict], settings: list[dict]) -> list[dict]:
+def run_summaries(
+    history: list[dict], settings: list[dict], floor: float = FIT_FLOOR
+) -> list[dict]:
     """One dict per run: settings, initial/final loss, fitted linear rate, and where measured,
     σ_min²/σ_max² of Z (layer 0) at the first and last probed steps and the certificate's hold
-    fraction (over the checks whose loss is above FIT_FLOOR × the initial loss)."""
+    fraction (over the checks whose loss is above `floor` × the initial loss: `fit_floor`)."""
     summaries = []
     for run_settings in settings:
         run = run_settings["run"]
         lines = [line for line in history if line["run"] == run]
         steps, losses = series(lines, run, "loss")
-        rate, r2 = fit_rate(steps, losses)
+        rate, r2 = fit_rate(steps, losses, floor)
         summary = {**run_settings, "initial_loss": losses[0], "final_loss": losses[-1]}
         summary |= {"final_step": lines[-1]["step"], "rate": rate, "rate_r2": r2}
         if "val_loss" in lines[-1]:
@@ -49,7 +56,7 @@ def run_summaries(history: list[dict], settings: list[dict]) -> list[dict]:
             ratio = (sigma_min / sigma_max) ** 2
             summary |= {"z_sigma_ratio_sq_start": ratio[0], "z_sigma_ratio_sq_end": ratio[-1]}
         # The certificate compares L_{t+1}/L_t with its bound: meaningless at float32's floor.
-        above_floor = [line for line in lines if line["loss"] > FIT_FLOOR * losses[0]]
+        above_floor = [line for line in lines if line["loss"] > floor * losses[0]]
         holds = series(above_floor, run, "ntk/holds")[1]
         if holds.size:
             summary |= {

@@ -25,7 +25,7 @@ from resconv_jax.metrics import MetricsWriter, progress_line, step_flops
 from resconv_jax.models import transformer
 from resconv_jax.runners import ChunkRunners, check_runs_per_chunk
 from resconv_jax.step import init_opt_state, make_optimizer, make_step_functions
-from resconv_jax.summary import run_summaries
+from resconv_jax.summary import fit_floor, run_summaries
 from resconv_jax.sweep import expand_runs, run_hparams
 from resconv_jax.validation import ConfigError, check_workdir, validate_config
 
@@ -278,11 +278,12 @@ def run(config, workdir: str) -> list[dict]:
         signal.signal(signal.SIGTERM, previous_handler)
         checkpointer.close()
         writer.close()
-    summaries = run_summaries(writer.history, settings)
+    floor = fit_floor(config.model.dtype)
+    summaries = run_summaries(writer.history, settings, floor)
     if jax.process_index() == 0:
         with open(os.path.join(workdir, "summary.json"), "w") as f:
             json.dump(summaries, f, indent=2)
-        rows = report.write_reports(workdir, writer.history, config.report.loss_threshold)
+        rows = report.write_reports(workdir, writer.history, config.report.loss_threshold, floor)
         if len(rows) > 1:
             print(report.format_beta_table(rows), flush=True)
     return summaries

@@ -9,6 +9,7 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 from resconv_jax import theory
+from resconv_jax.summary import FIT_FLOOR, fit_floor, fit_rate
 
 
 def test_contraction_factors():
@@ -121,3 +122,16 @@ def test_bound_holds_and_hold_fraction():
     assert theory.hold_fraction(measured, 0.81) == pytest.approx(2 / 3)
     assert theory.hold_fraction(measured, [0.81, 0.81, 0.81, np.nan]) == 0.5
     assert math.isnan(theory.hold_fraction([np.nan], 1.0))
+
+
+def test_rate_fit_floor_follows_the_training_dtype():
+    """Losses at float32's floor (a plateau below 1e-7 · L_0) are cut from a float32 fit only."""
+    steps = np.arange(0, 300, 10)
+    losses = np.maximum(0.9**steps, 1e-9)  # 0.9 per step down to 1e-9, then flat
+    rate32, r2_32 = fit_rate(steps, losses, fit_floor("float32"))
+    assert fit_floor("float32") == FIT_FLOOR
+    np.testing.assert_allclose(rate32, 0.9, rtol=1e-9)
+    assert r2_32 > 0.999999
+    rate64, _ = fit_rate(steps, losses, fit_floor("float64"))
+    assert 1e-16 < fit_floor("float64") < 1e-15
+    assert rate64 > 0.91  # the plateau, real in float64, bends the fit

@@ -24,7 +24,7 @@ and "stacked" (stacked σ only, `probe.per_sample=False`). Timings (`--kinds`):
   alone  the probe by itself, compiled on its own, on the intermediates of one real step, shown
          as a fraction of one step without it: the least that probing every step can cost on this
          machine unless the probe overlaps the step. It also prints the probe's FLOP floor (the
-         Householder reductions that any exact dense SVD does) against XLA's FLOP count of the step.
+         Householder reductions of LAPACK's SVDs) against XLA's FLOP count of the step.
 
 Sizes: "theory" is configs/theory.py (3 runs, β = 0, 0.5, 1; P=8 M=8 d=64 d_qk=16 d_h=64);
 "large" is one run (β = 1) with P·M ≥ 1e5 rows in the stacked Z (default P=4096 M=25 d=16, d_qk=8,
@@ -186,20 +186,22 @@ class PeriodCase:
 
 
 def _bidiagonalization_flop(m: int, n: int) -> float:
-    """Householder reduction of an m×n matrix to bidiagonal form: what any exact dense SVD does."""
+    """Householder reduction of an m×n matrix to bidiagonal form, the bulk of a Householder-based
+    SVD (LAPACK's gesdd and gesvd; Jacobi SVDs, which do not reduce, cost more)."""
     m, n = max(m, n), min(m, n)
     return 4 * m * n * n - 4 * n**3 / 3
 
 
 def probe_flop_floor(shape: tuple[int, ...], per_sample: bool) -> float:
-    """Least FLOP count of the probe of (R, L, P, M, d) intermediates Attn(X) and Z: a Householder
-    QR of each tall stacked (P·M, d) matrix then the SVD of its R, and one SVD per sample."""
+    """Least FLOP count of a Householder-based probe of (R, L, P, M, d) intermediates Attn(X) and
+    Z: each stacked (P·M, d) matrix reduced directly or after a QR (whichever is cheaper), and
+    one reduction per sample."""
     runs, layers, n_samples, m, d = shape
     rows = n_samples * m
+    stacked = _bidiagonalization_flop(rows, d)
     if rows > d:
-        stacked = 2 * rows * d * d - 2 * d**3 / 3 + _bidiagonalization_flop(d, d)
-    else:
-        stacked = _bidiagonalization_flop(rows, d)
+        qr_first = 2 * rows * d * d - 2 * d**3 / 3 + _bidiagonalization_flop(d, d)
+        stacked = min(stacked, qr_first)
     sample = n_samples * _bidiagonalization_flop(m, d) if per_sample else 0.0
     return 2 * runs * layers * (stacked + sample)
 
@@ -219,7 +221,9 @@ class ProbeAloneCase:
         self.step_flop = _flop(step.lower(*args).compile())
         _, _, inter = step(*args)
         self.args = (inter["attn"], inter["z"])
-        self.floor_flop = probe_flop_floor(inter["z"].shape, PROBES[probe_kind]["per_sample"])
+        # XLA counts the FLOPs of one device's partition of the step: the floor's share of them.
+        floor = probe_flop_floor(inter["z"].shape, PROBES[probe_kind]["per_sample"])
+        self.floor_flop = floor / problem.mesh.devices.size
         self.compiled = jax.jit(problem.probe_fn(probe_kind)).lower(*self.args).compile()
 
     def __call__(self):
@@ -284,13 +288,14 @@ def measure(problem: Problem, args, calls: int, log_every: int) -> list[list[obj
             else:
                 row += ["", ""]
         row.append(" / ".join(common.spread(times[k]) for k in cases))
-        for pk in probes if kind == "alone" else ():
-            case = cases[pk]
-            print(
-                f"  FLOP floor, {PROBES[pk]['label']}: >= {case.floor_flop / 1e6:.2f} MFLOP "
-                f"against a step of {case.step_flop / 1e6:.2f} MFLOP (XLA's count): "
-                f"{100 * case.floor_flop / case.step_flop:.1f}% at equal speed"
-            )
+        if kind == "alone":
+            for pk in probes:
+                case = cases[pk]
+                print(
+                    f"  FLOP floor, {PROBES[pk]['label']}: >= {case.floor_flop / 1e6:.2f} MFLOP "
+                    f"against a step of {case.step_flop / 1e6:.2f} MFLOP (XLA's count, per "
+                    f"device): {100 * case.floor_flop / case.step_flop:.1f}% at equal speed"
+                )
         rows.append(row)
         print("  " + " | ".join(str(c) for c in row), flush=True)
     return rows

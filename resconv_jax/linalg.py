@@ -1,4 +1,4 @@
-"""Batched CPU linear algebra that cannot deadlock.
+"""Batched CPU linear algebra that cannot deadlock, and the precision of a dtype.
 
 jaxlib's CPU LAPACK kernels (jaxlib 0.10) split a batch of matrices into tasks on XLA's intra-op
 thread pool and block until the tasks finish. When every pool thread is itself blocked in such a
@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+import numpy as np
 
 INLINE_FLOP = 50_000  # well below jaxlib's per-task minimum work (2e5 FLOP)
 
@@ -31,3 +32,10 @@ def small_batches(fn: Callable, x: jax.Array):
         size = max(1, INLINE_FLOP // max(m * n * min(m, n), 1))
         out = jax.lax.map(fn, flat, batch_size=min(size, flat.shape[0]))
     return jax.tree.map(lambda o: o.reshape(*batch, *o.shape[1:]), out)
+
+
+def eps_relative_to_float32(dtype) -> float:
+    """Machine epsilon of `dtype` in units of float32's: 1 for float32, ~1.9e-9 for float64.
+
+    Scales thresholds set for float32 rounding (fit and rank-collapse floors) to other dtypes."""
+    return float(np.finfo(dtype).eps / np.finfo(np.float32).eps)

@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 from resconv_jax import probe
-from resconv_jax.linalg import small_batches
+from resconv_jax.linalg import eps_relative_to_float32, small_batches
 from resconv_jax.models import transformer
 from resconv_jax.validation import CHOICES, ConfigError, check_workdir, validate_config
 
@@ -51,7 +51,7 @@ FLOAT32_FLOOR = 1e-7
 
 def rounding_floor(dtype: str) -> float:
     """FLOAT32_FLOOR scaled by the machine epsilon of `dtype` (~1.9e-16 for float64)."""
-    return FLOAT32_FLOOR * float(np.finfo(dtype).eps / np.finfo(np.float32).eps)
+    return FLOAT32_FLOOR * eps_relative_to_float32(dtype)
 
 
 # Per-seed metrics of each matrix ("attn": Attn(X), "z": Attn(X) + X), in CSV column order.
@@ -363,12 +363,11 @@ def run(config, workdir: str) -> list[dict]:
         f"wrote {CSV_FILE}, {SEEDS_CSV_FILE}, {PLOT_FILE}, {CONFIG_FILE} to {workdir}", flush=True
     )
     if any(r["attn_ratio_p_mean/min"] < rounding_floor(dtype) for r in rows):
-        hint = "; --config.model.dtype=float64 computes them in float64" * (dtype == "float32")
-        print(
-            f"note: ratios below {rounding_floor(dtype):.0e} are at {dtype} rounding level; "
-            f"the true values are smaller{hint}",
-            flush=True,
-        )
+        note = f"note: ratios below {rounding_floor(dtype):.0e} are at {dtype} rounding level; "
+        note += "the true values are smaller"
+        if dtype == "float32":
+            note += "; --config.model.dtype=float64 computes them in float64"
+        print(note, flush=True)
     print(final_line(rows), flush=True)
     if not all(math.isfinite(r["attn_ratio_p_mean/mean"]) for r in rows):
         print("warning: non-finite singular-value ratios (see the CSV)", flush=True)

@@ -149,8 +149,10 @@ def make_step_functions(
         state, buffers = jax.lax.fori_loop(1, num_steps, body, (state, buffers))
         if probe is not None:
             probed = probe(inter["attn"], inter["z"])
-            dtype = metrics["loss"].dtype
-            buffers |= {k: v.astype(dtype)[None] for k, v in probed.items()}
+            floats = metrics["loss"].dtype  # a float64 probe of a float32 model stays float64
+            buffers |= {
+                k: v.astype(jnp.promote_types(floats, v.dtype))[None] for k, v in probed.items()
+            }
         return state, buffers
 
     return StepFunctions(

@@ -6,19 +6,23 @@ import math
 
 import numpy as np
 
+from resconv_jax.linalg import eps_relative_to_float32
 from resconv_jax.theory import fit_linear_rate
 
-# Losses below this fraction of the initial loss sit at float32's floor and bend the log-linear fit.
+# In float32, below this fraction of the initial loss the rounding of the residuals (~eps·|F|)
+# moves L_{t+1}/L_t by more than ~√eps, which bends the log-linear fit and the certificate checks.
 FIT_FLOOR = 1e-7
 
 
 def fit_floor(dtype: str) -> float:
-    """FIT_FLOOR scaled by the machine epsilon of the training dtype (~1.9e-16 for float64)."""
-    return FIT_FLOOR * float(np.finfo(dtype).eps / np.finfo(np.float32).eps)
+    """FIT_FLOOR for a model trained in `dtype`, scaled by its epsilon (~1.9e-16 for float64)."""
+    return FIT_FLOOR * eps_relative_to_float32(dtype)
 
 
 def fit_rate(steps, losses, floor: float = FIT_FLOOR) -> tuple[float, float]:
-    """(ρ, R²) of log L = a + t·log ρ over the logged steps with L > floor × L_0."""
+    """(ρ, R²) of log L = a + t·log ρ over the logged steps with L > floor × L_0.
+
+    steps, losses: (T,) in step order. NaN, NaN when there are none."""
     steps, losses = np.asarray(steps, float), np.asarray(losses, float)
     if not losses.size:
         return math.nan, math.nan
@@ -27,7 +31,7 @@ def fit_rate(steps, losses, floor: float = FIT_FLOOR) -> tuple[float, float]:
 
 
 def series(history: list[dict], run: int, key: str) -> tuple[np.ndarray, np.ndarray]:
-    """(steps, values) of metric `key` for one run: the metrics lines that have it, in order."""
+    """(steps, values), each (T,): metric `key` of one run over the T metrics lines that have it."""
     lines = [line for line in history if line["run"] == run and key in line]
     values = np.array([float(line[key]) for line in lines])
     return np.array([line["step"] for line in lines]), values
@@ -55,7 +59,7 @@ def run_summaries(
         if sigma_min.size:
             ratio = (sigma_min / sigma_max) ** 2
             summary |= {"z_sigma_ratio_sq_start": ratio[0], "z_sigma_ratio_sq_end": ratio[-1]}
-        # The certificate compares L_{t+1}/L_t with its bound: meaningless at float32's floor.
+        # The certificate compares L_{t+1}/L_t with its bound: meaningless below the fit floor.
         above_floor = [line for line in lines if line["loss"] > floor * losses[0]]
         holds = series(above_floor, run, "ntk/holds")[1]
         if holds.size:

@@ -20,6 +20,7 @@ import numpy as np
 
 from resconv_jax import probe, report, sharding, theory
 from resconv_jax.checkpoint import Checkpointer
+from resconv_jax.config_defaults import base_config
 from resconv_jax.data import load_dataset
 from resconv_jax.metrics import MetricsWriter, progress_line, step_flops
 from resconv_jax.models import transformer
@@ -57,6 +58,8 @@ def _check_resumable(workdir: str, config_json: dict) -> None:
         return
     with open(path) as f:
         saved = _flatten(json.load(f))
+    # A field added since the run started took its default there.
+    saved = _flatten(json.loads(base_config().to_json_best_effort())) | saved
     current = _flatten(config_json)
     changed = [
         k
@@ -88,7 +91,7 @@ def _init_params(model_cfg, runs) -> dict:
 
 def _init_state(params, runs, optimizer):
     """Train state from stacked initial params (R, ...), with each run's step size."""
-    lrs = jnp.asarray([run.lr for run in runs], jnp.float32)
+    lrs = jnp.asarray([run.lr for run in runs], jax.tree.leaves(params)[0].dtype)
     return {"params": params, "opt_state": init_opt_state(optimizer, params, lrs)}
 
 

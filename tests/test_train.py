@@ -4,6 +4,7 @@ import json
 import os
 import struct
 
+import jax
 import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
@@ -159,6 +160,20 @@ def test_unwritable_workdir(tmp_path):
         train.run(tiny(), str(blocker))
     with pytest.raises(ConfigError, match="cannot create|not writable"):
         train.run(tiny(), str(blocker / "sub"))
+
+
+def test_resume_accepts_a_run_from_before_a_new_config_field(tmp_path):
+    """A config.json without model.dtype (written before the field existed) is a float32 run."""
+    train.run(tiny(**{"train.num_steps": 10}), str(tmp_path))
+    path = tmp_path / "config.json"
+    saved = json.loads(path.read_text())
+    del saved["model"]["dtype"]
+    path.write_text(json.dumps(saved))
+    train.run(tiny(**{"train.num_steps": 20}), str(tmp_path))
+    assert max(r["step"] for r in read_metrics(str(tmp_path))) == 20
+    with pytest.raises(ConfigError, match=r"model.dtype: 'float32' -> 'float64'"):
+        with jax.enable_x64(True):
+            train.run(tiny(**{"train.num_steps": 30, "model.dtype": "float64"}), str(tmp_path))
 
 
 def test_resume_refuses_a_different_config(tmp_path):

@@ -93,7 +93,7 @@ class Block(nnx.Module):
         d_qk = w_q.shape[1]
         qkv = mm(x, jnp.concatenate([w_q, w_k, w_v], axis=1))  # one pass over x for Q, K, V
         q, k, v = qkv[..., :d_qk], qkv[..., d_qk : 2 * d_qk], qkv[..., 2 * d_qk :]
-        logits = mm_nt(q, k) / jnp.sqrt(d_qk).astype(x.dtype)
+        logits = mm_nt(q, k) / jnp.sqrt(d_qk).astype(q.dtype)
         return mm(softmax_rows(logits), v)
 
     def __call__(

@@ -58,9 +58,10 @@ def _check_resumable(workdir: str, config_json: dict) -> None:
         return
     with open(path) as f:
         saved = _flatten(json.load(f))
-    # A field added since the run started took its default there.
-    saved = _flatten(json.loads(base_config().to_json_best_effort())) | saved
     current = _flatten(config_json)
+    # A field added since the run started took its default there.
+    defaults = _flatten(json.loads(base_config().to_json_best_effort()))
+    saved = {k: v for k, v in defaults.items() if k in current} | saved
     changed = [
         k
         for k in sorted(saved.keys() | current.keys())

@@ -194,3 +194,10 @@ def test_short_jena_run_writes_figures_and_table(tmp_path):
     rows = (tmp_path / "beta_table.csv").read_text().splitlines()
     assert len(rows) == 1 + 5 and rows[0].startswith("beta_attn,beta_ffn,runs,final_loss")
     assert all("val_loss" in r for r in read_metrics(str(tmp_path)))
+    # jena.py deletes fields of the base config (data.dim, ...): resuming must not miss them.
+    longer = load_config_file(
+        os.path.join(os.path.dirname(TINY), "jena.py"),
+        **{"train.num_steps": 30, "sweep.seed": (0,), "data.num_train": 32, "train.log_every": 5},
+    )
+    train.run(longer, str(tmp_path))
+    assert max(r["step"] for r in read_metrics(str(tmp_path))) == 30

@@ -19,7 +19,7 @@ initialization.) With the sum loss, λ_max grows like P·M. `--config.optim.lr_r
 instead gives each run η = lr_factor / λ_max(K) at its own initialization.
 
 `--config.model.dtype=float64 --config.probe.dtype=float64` follows the runs below float32's
-loss floor (β = 1 down to ~1e-28; the same initial weights; 22 s instead of 15 s).
+loss floor (β = 1 down to ~1e-28; the same initial weights; 18–22 s instead of 15 s).
 """
 
 from resconv_jax.config_defaults import base_config

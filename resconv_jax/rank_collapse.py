@@ -328,7 +328,7 @@ def run(config, workdir: str) -> list[dict]:
                 qk_init=qk_init,
                 qk_scale=config.model.qk_scale,
                 v_scale=config.model.v_scale,
-                dtype=config.model.dtype,
+                dtype=dtype,
             )
             graphdef, params = make_blocks(cfg, seeds)
             stats = jax.device_get(attention_spectra(graphdef, params, jnp.asarray(x)))
@@ -362,8 +362,9 @@ def run(config, workdir: str) -> list[dict]:
     print(
         f"wrote {CSV_FILE}, {SEEDS_CSV_FILE}, {PLOT_FILE}, {CONFIG_FILE} to {workdir}", flush=True
     )
-    if any(r["attn_ratio_p_mean/min"] < rounding_floor(dtype) for r in rows):
-        note = f"note: ratios below {rounding_floor(dtype):.0e} are at {dtype} rounding level; "
+    floor = rounding_floor(dtype)
+    if any(r["attn_ratio_p_mean/min"] < floor for r in rows):
+        note = f"note: ratios below {floor:.0e} are at {dtype} rounding level; "
         note += "the true values are smaller"
         if dtype == "float32":
             note += "; --config.model.dtype=float64 computes them in float64"

@@ -184,20 +184,14 @@ def test_resume_refuses_a_different_config(tmp_path):
 
 @pytest.mark.slow
 def test_short_jena_run_writes_figures_and_table(tmp_path):
-    config = load_config_file(
-        os.path.join(os.path.dirname(TINY), "jena.py"),
-        **{"train.num_steps": 20, "sweep.seed": (0,), "data.num_train": 32, "train.log_every": 5},
-    )
-    train.run(config, str(tmp_path))
+    jena = os.path.join(os.path.dirname(TINY), "jena.py")
+    small = {"sweep.seed": (0,), "data.num_train": 32, "train.log_every": 5}
+    train.run(load_config_file(jena, **small, **{"train.num_steps": 20}), str(tmp_path))
     for name in ("loss_by_beta.png", "sigma_by_beta.png", "training.png", "beta_table.csv"):
         assert (tmp_path / name).stat().st_size > 0, name
     rows = (tmp_path / "beta_table.csv").read_text().splitlines()
     assert len(rows) == 1 + 5 and rows[0].startswith("beta_attn,beta_ffn,runs,final_loss")
     assert all("val_loss" in r for r in read_metrics(str(tmp_path)))
     # jena.py deletes fields of the base config (data.dim, ...): resuming must not miss them.
-    longer = load_config_file(
-        os.path.join(os.path.dirname(TINY), "jena.py"),
-        **{"train.num_steps": 30, "sweep.seed": (0,), "data.num_train": 32, "train.log_every": 5},
-    )
-    train.run(longer, str(tmp_path))
+    train.run(load_config_file(jena, **small, **{"train.num_steps": 30}), str(tmp_path))
     assert max(r["step"] for r in read_metrics(str(tmp_path))) == 30

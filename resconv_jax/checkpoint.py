@@ -1,12 +1,65 @@
-"""Checkpoints with Orbax's CheckpointManager: periodic, keep-last-K, async, corruption-tolerant."""
+"""Checkpoints with Orbax's CheckpointManager: periodic, keep-last-K, async, verified on restore.
+
+Every checkpoint's metadata holds a content hash of each array of the state (computed on device,
+so a sharded state is never gathered) and a copy of the run's config. A restore recomputes the
+hashes; a checkpoint that fails to read, fails its hashes or is refused by the caller (a
+non-finite loss) is reported in one line and the one before it is tried.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
+
+from resconv_jax.workdir import WorkdirWriteError, describe_os_error
+
+
+def _fmix32(h: jax.Array) -> jax.Array:
+    """MurmurHash3's 32-bit finalizer: every input bit flips each output bit with p ≈ ½."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _array_hash(x: jax.Array) -> jax.Array:
+    """A uint32 hash of an array's bits and their positions (any shape, any 1-8 byte dtype)."""
+    if x.dtype.itemsize == 8:
+        words = jax.lax.bitcast_convert_type(x, jnp.uint32)  # (..., 2)
+    elif x.dtype.itemsize == 4:
+        words = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    else:
+        unsigned = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
+        words = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+    words = words.ravel()
+    index = jnp.arange(words.size, dtype=jnp.uint32)
+    return jnp.sum(_fmix32(words ^ _fmix32(index + jnp.uint32(0x9E3779B9))), dtype=jnp.uint32)
+
+
+@jax.jit
+def _tree_hashes(tree):
+    return jax.tree.map(_array_hash, tree)
+
+
+def state_digest(state) -> dict[str, int]:
+    """{leaf path: uint32 content hash} of a pytree of (possibly sharded) arrays."""
+    hashes = jax.device_get(_tree_hashes(state))
+    flat, _ = jax.tree_util.tree_flatten_with_path(hashes)
+    return {jax.tree_util.keystr(path): int(value) for path, value in flat}
+
+
+def _first_line(error: BaseException) -> str:
+    if isinstance(error, OSError):
+        return describe_os_error(error)
+    text = str(error).strip()
+    return text.splitlines()[0][:160] if text else type(error).__name__
 
 
 class Checkpointer:
@@ -20,9 +73,14 @@ class Checkpointer:
             enable_async_checkpointing=use_async,
             create=True,
         )
-        self._manager = ocp.CheckpointManager(
-            self.directory, options=options, item_names=("state", "meta")
-        )
+        try:
+            self._manager = ocp.CheckpointManager(
+                self.directory, options=options, item_names=("state", "meta")
+            )
+        except OSError as error:
+            raise WorkdirWriteError(
+                f"cannot create {self.directory} ({describe_os_error(error)})"
+            ) from None
 
     def steps(self) -> list[int]:
         """Steps of the finished checkpoints on disk, ascending."""
@@ -34,43 +92,111 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     def save(self, step: int, state, meta: dict, *, force: bool = False) -> bool:
-        """Saves if `step` is on the interval (or `force`); returns whether a save started."""
+        """Saves if `step` is on the interval (or `force`); returns whether a save started.
+
+        `meta` (JSON) gets the state's content hashes. A failed write -> WorkdirWriteError.
+        """
+        if not (force or self._manager.should_save(step)):
+            return False
+        meta = meta | {"digest": state_digest(state)}
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
-        return self._manager.save(step, args=args, force=force)
+        try:
+            return self._manager.save(step, args=args, force=force)
+        except Exception as error:  # noqa: BLE001 - Orbax wraps I/O failures in several types
+            raise WorkdirWriteError(
+                f"cannot save the checkpoint of step {step} in {self.directory} "
+                f"({_first_line(error)})"
+            ) from None
 
-    def restore_latest(self, abstract_state) -> tuple[int, object, dict] | None:
-        """(step, state, meta) of the newest readable checkpoint, or None when there is none.
+    def read_meta(self, step: int) -> dict | None:
+        """The metadata saved with the checkpoint at `step` (None if it cannot be read)."""
+        try:
+            restored = self._manager.restore(
+                step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+            )
+        except Exception:  # noqa: BLE001 - unreadable metadata: the caller says so
+            return None
+        return restored.meta if isinstance(restored.meta, dict) else None
 
-        `abstract_state` gives the shapes, dtypes and shardings to restore into. A checkpoint that
-        fails to read is skipped with a warning and the one before it is tried.
+    def restore_latest(
+        self,
+        abstract_state,
+        *,
+        max_step: int | None = None,
+        accept: Callable[[object], str | None] = lambda state: None,
+        report: Callable[[str], None] = print,
+    ) -> tuple[int, object, dict] | None:
+        """(step, state, meta) of the newest good checkpoint at or before `max_step`, or None.
+
+        `abstract_state` gives the shapes, dtypes and shardings to restore into. A checkpoint is
+        good if it reads, its arrays match the hashes saved with them, and `accept(state)` returns
+        None (else the reason it is refused). Every checkpoint after the one returned (refused,
+        or past `max_step`) is deleted, so that the resumed run can save those steps again; each
+        skip is `report`-ed in one line.
         """
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
+        found, skipped = None, []
         for step in reversed(self.steps()):
-            args = ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
-            )
-            try:
-                restored = self._manager.restore(step, args=args)
-            except Exception as error:  # noqa: BLE001 - any failure to read means unusable
-                first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
-                logging.warning(
-                    "checkpoint at step %d is unreadable (%s: %s); trying the previous one",
-                    step,
-                    type(error).__name__,
-                    first_line[:200],
-                )
+            if max_step is not None and step > max_step:
+                skipped.append(step)
                 continue
-            return step, restored.state, restored.meta
-        return None
+            problem, state, meta = self._verified(step, abstract)
+            if problem is None:
+                problem = accept(state)
+            if problem is None:
+                found = step, state, meta
+                break
+            report(f"checkpoint at step {step} {problem}; trying the previous one")
+            skipped.append(step)
+        for step in skipped:
+            self._manager.delete(step)
+        if found is None and skipped:
+            report(f"no usable checkpoint in {self.directory}: the run restarts from step 0")
+        return found
+
+    def _verified(self, step: int, abstract) -> tuple[str | None, object, dict]:
+        args = ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+        )
+        try:
+            restored = self._manager.restore(step, args=args)
+        except Exception as error:  # noqa: BLE001 - any failure to read means unusable
+            logging.info("checkpoint %d: %s", step, error)
+            reason = _first_line(error) if isinstance(error, OSError) else type(error).__name__
+            return f"is unreadable ({reason})", None, {}
+        meta = restored.meta if isinstance(restored.meta, dict) else {}
+        saved = meta.get("digest")
+        if saved is None:
+            logging.warning("checkpoint at step %d has no content hashes: not verified", step)
+        elif (actual := state_digest(restored.state)) != saved:
+            bad = sorted(k for k in saved.keys() | actual.keys() if saved.get(k) != actual.get(k))
+            return f"does not match its content hashes (at {', '.join(bad[:3])})", None, {}
+        return None, restored.state, meta
 
     def reached_preemption(self, step: int) -> bool:
         """Whether the cluster signalled preemption (multi-host pods), agreed on all hosts."""
         return self._manager.reached_preemption(step)
 
     def wait(self) -> None:
-        """Blocks until background saves are on disk."""
-        self._manager.wait_until_finished()
+        """Blocks until background saves are on disk; a failed one -> WorkdirWriteError."""
+        try:
+            self._manager.wait_until_finished()
+        except Exception as error:  # noqa: BLE001 - Orbax wraps I/O failures in several types
+            raise WorkdirWriteError(
+                f"cannot finish saving a checkpoint in {self.directory} ({_first_line(error)})"
+            ) from None
 
     def close(self) -> None:
-        """Waits for saves and releases the manager."""
-        self._manager.close()
+        """Waits for saves and releases the manager (errors were reported by `wait`)."""
+        try:
+            self._manager.close()
+        except Exception as error:  # noqa: BLE001
+            logging.info("closing the checkpoint manager: %s", error)
+
+
+def checkpoint_losses_finite(losses: np.ndarray) -> str | None:
+    """`accept` helper: None if every loss (R,) is finite, else the reason for refusing."""
+    bad = np.flatnonzero(~np.isfinite(losses))
+    if not bad.size:
+        return None
+    return f"holds a non-finite loss (run {int(bad[0])}: {losses[bad[0]]})"

@@ -2,36 +2,86 @@
 
 metrics.jsonl holds one JSON object per run per log step, with the run's index and settings, and
 only quantities that are a function of the computation (no timings), so a resumed run's file is
-identical to an uninterrupted run's. Timings go to TensorBoard and the progress lines.
+identical to an uninterrupted run's. Timings go to TensorBoard and the progress lines. The file is
+only ever appended to, or replaced whole by a rename (`MetricsWriter`), never rewritten in place.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import shutil
+import time
 
 import jax
 import numpy as np
-from tensorboardX import SummaryWriter
+from tensorboardX.event_file_writer import EventsWriter
+from tensorboardX.proto.event_pb2 import Event
 from tensorboardX.proto.summary_pb2 import Summary
 
+from resconv_jax.workdir import atomic_open, writing
+
 METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+RUN_SETTINGS = ("run", "seed", "lr", "beta_attn", "beta_ffn")
 
 
-def read_metrics(workdir: str) -> list[dict]:
-    """All complete lines of `workdir/metrics.jsonl` (a torn last line is ignored)."""
+def read_metrics_lines(workdir: str) -> list[tuple[str, dict]]:
+    """(text, record) of every complete line of `workdir/metrics.jsonl`, up to the first bad one.
+
+    A torn or unparsable line ends the list: what follows it cannot be trusted to be in order."""
     path = os.path.join(workdir, METRICS_FILE)
     if not os.path.exists(path):
         return []
-    records = []
-    with open(path) as f:
-        for line in f:
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
+    lines = []
+    with open(path, "rb") as f:
+        for raw in f:
+            if not raw.endswith(b"\n"):
                 break
-    return records
+            try:
+                record = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                break
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                break
+            lines.append((raw.decode(), record))
+    return lines
+
+
+def read_metrics(workdir: str) -> list[dict]:
+    """The records of `read_metrics_lines`."""
+    return [record for _, record in read_metrics_lines(workdir)]
+
+
+def valid_prefix(
+    lines: list[tuple[str, dict]], settings: list[dict], log_every: int
+) -> tuple[list[tuple[str, dict]], int]:
+    """The longest prefix of `lines` that a run of `settings` can have written, and its reach.
+
+    A valid file starts at step 0, holds one line per run at every logged step (runs in order,
+    each with its own settings), and its steps rise by at most `log_every`. Returns (prefix,
+    reach): a resume from any step <= reach finds every line it needs before that step; a
+    file with no valid line has reach 0.
+    """
+    num_runs = len(settings)
+    expected = [{k: s[k] for k in RUN_SETTINGS} for s in settings]
+    prefix, last_step = [], None
+    for start in range(0, len(lines) - num_runs + 1, num_runs):
+        block = lines[start : start + num_runs]
+        step = block[0][1]["step"]
+        gap_ok = step == 0 if last_step is None else 0 < step - last_step <= log_every
+        same_step = all(record["step"] == step for _, record in block)
+        labelled = all(
+            {k: record.get(k) for k in RUN_SETTINGS} == want
+            for (_, record), want in zip(block, expected, strict=True)
+        )
+        if not (gap_ok and same_step and labelled):
+            break
+        prefix.extend(block)
+        last_step = step
+    return prefix, 0 if last_step is None else last_step + log_every
 
 
 def _json_value(value):
@@ -41,21 +91,46 @@ def _json_value(value):
     return value if math.isfinite(value) else str(value)
 
 
-class MetricsWriter:
-    """Appends metrics lines and TensorBoard scalars; resuming at step s drops lines from s on."""
+def _scalars_of(lines: list[dict]) -> dict[str, float]:
+    return {
+        f"run{line['run']}/{key}": value
+        for line in lines
+        for key, value in line.items()
+        if key not in ("step", "run") and isinstance(value, float)
+    }
 
-    def __init__(self, workdir: str, *, resume_step: int):
+
+class MetricsWriter:
+    """Appends metrics lines and TensorBoard scalars after the lines a resume keeps.
+
+    `kept` are the (text, record) lines of the file before the resume step (`valid_prefix`, cut
+    at that step). The file is replaced atomically by exactly those lines, and the TensorBoard
+    events are rebuilt from them, so neither holds a line twice or a line from after the resume
+    step; then both are appended to. Timing scalars of earlier segments are not in metrics.jsonl
+    and are not rebuilt. OSError -> WorkdirWriteError.
+    """
+
+    def __init__(self, workdir: str, kept: list[tuple[str, dict]]):
         self.enabled = jax.process_index() == 0
-        self.history = [r for r in read_metrics(workdir) if r["step"] < resume_step]
+        self.history = [record for _, record in kept]
         if not self.enabled:
             return
-        path = os.path.join(workdir, METRICS_FILE)
-        with open(path, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in self.history)
-        self._file = open(path, "a")  # noqa: SIM115 - held open for the run
-        self._tensorboard = SummaryWriter(
-            os.path.join(workdir, "tensorboard"), purge_step=resume_step or None
-        )
+        self._path = os.path.join(workdir, METRICS_FILE)
+        with atomic_open(self._path) as f:
+            f.writelines(text for text, _ in kept)
+        with writing(self._path):
+            self._file = open(self._path, "a")  # noqa: SIM115 - held open for the run
+        tensorboard = os.path.join(workdir, TENSORBOARD_DIR)
+        with writing(tensorboard):
+            shutil.rmtree(tensorboard, ignore_errors=True)
+            os.makedirs(tensorboard)
+            self._events = EventsWriter(os.path.join(tensorboard, "events"))
+            by_step: dict[int, list[dict]] = {}
+            for record in self.history:
+                by_step.setdefault(record["step"], []).append(record)
+            for step, lines in by_step.items():
+                self._add_scalars(step, _scalars_of(lines), flush=False)
+            self._events.flush()
 
     def write(self, step: int, records: list[dict]) -> None:
         """One metrics line per record (each a run's settings and values) at `step`."""
@@ -63,34 +138,33 @@ class MetricsWriter:
         self.history.extend(lines)
         if not self.enabled:
             return
-        self._file.writelines(json.dumps(line) + "\n" for line in lines)
-        self._file.flush()
-        self._add_scalars(
-            step,
-            {
-                f"run{line['run']}/{key}": value
-                for line in lines
-                for key, value in line.items()
-                if key not in ("step", "run") and isinstance(value, float)
-            },
-        )
+        with writing(self._path):
+            self._file.writelines(json.dumps(line) + "\n" for line in lines)
+            self._file.flush()
+        self._add_scalars(step, _scalars_of(lines))
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         """Run-wide scalars (timings, FLOP/s) to TensorBoard only."""
         if self.enabled:
             self._add_scalars(step, values)
 
-    def _add_scalars(self, step: int, values: dict[str, float]) -> None:
-        # One event holding every scalar of the step: `add_scalar` writes one event per value,
-        # which cost seconds per thousand log steps of a sweep (20k values: 3.6 s against 0.5 s).
+    def _add_scalars(self, step: int, values: dict[str, float], flush: bool = True) -> None:
+        # One event holding every scalar of the step: one event per value cost seconds per
+        # thousand log steps of a sweep (20k values: 3.6 s against 0.5 s). Written synchronously
+        # (tensorboardX's SummaryWriter writes from a thread, where a full disk is a traceback).
         summary = Summary(value=[Summary.Value(tag=k, simple_value=v) for k, v in values.items()])
-        self._tensorboard.file_writer.add_summary(summary, step)
+        with writing(f"TensorBoard events in {os.path.dirname(self._path)}"):
+            self._events.write_event(Event(wall_time=time.time(), step=step, summary=summary))
+            if flush:
+                self._events.flush()
 
     def close(self) -> None:
         """Flushes and closes the files."""
         if self.enabled:
-            self._file.close()
-            self._tensorboard.close()
+            with contextlib.suppress(OSError):
+                self._file.close()
+            with contextlib.suppress(OSError):
+                self._events.close()
 
 
 def step_flops(step_fn, *args) -> float:

@@ -38,6 +38,7 @@ from resconv_jax import probe
 from resconv_jax.linalg import eps_relative_to_float32, small_batches
 from resconv_jax.models import transformer
 from resconv_jax.validation import CHOICES, ConfigError, check_workdir, validate_config
+from resconv_jax.workdir import atomic_open, write_json
 
 CSV_FILE = "rank_collapse.csv"
 SEEDS_CSV_FILE = "rank_collapse_seeds.csv"
@@ -192,7 +193,7 @@ def _aggregate(per_seed: list[dict]) -> dict:
 
 
 def _write_csv(path: str, rows: list[dict]) -> None:
-    with open(path, "w", newline="") as f:
+    with atomic_open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
@@ -300,7 +301,8 @@ def plot(path: str, rows: list[dict], x_ratio: float, title: str, dtype: str = "
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncol=5, fontsize=8)
     fig.suptitle(title)
-    fig.savefig(path, dpi=120)
+    with atomic_open(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=120)
 
 
 def run(config, workdir: str) -> list[dict]:
@@ -342,8 +344,7 @@ def run(config, workdir: str) -> list[dict]:
     elapsed = time.perf_counter() - start
 
     os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, CONFIG_FILE), "w") as f:
-        json.dump(json.loads(config.to_json_best_effort()), f, indent=2)
+    write_json(os.path.join(workdir, CONFIG_FILE), json.loads(config.to_json_best_effort()))
     _write_csv(os.path.join(workdir, CSV_FILE), rows)
     _write_csv(os.path.join(workdir, SEEDS_CSV_FILE), per_seed)
     title = (

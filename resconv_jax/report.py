@@ -18,8 +18,16 @@ import numpy as np  # noqa: E402
 
 from resconv_jax.metrics import read_metrics  # noqa: E402
 from resconv_jax.summary import FIT_FLOOR, fit_floor, fit_rate, series  # noqa: E402
+from resconv_jax.workdir import atomic_open  # noqa: E402
 
 Z_FRO = "layer0/z/sigma_min_over_fro"
+
+
+def save_figure(fig, path: str, dpi: int = 110) -> None:
+    """Writes `fig` as a PNG at `path` atomically (never half a figure), then closes it."""
+    with atomic_open(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=dpi)
+    plt.close(fig)
 
 
 def _runs(history: list[dict]) -> list[dict]:
@@ -50,8 +58,7 @@ def plot_training(history: list[dict], path: str) -> None:
     ax_loss.legend(fontsize=7)
     ax_sigma.set(xlabel="step", ylabel="σ_min", title="σ_min of Z = Attn(X)+βX (—), Attn(X) (⋯)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def steps_to_threshold(steps: np.ndarray, losses: np.ndarray, threshold: float) -> float:
@@ -116,8 +123,7 @@ def plot_loss_by_beta(history: list[dict], path: str) -> None:
     ax.set(xlabel="step", ylabel="training loss (log scale)", title="Full-batch GD by β")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_sigma_by_beta(rows: list[dict], path: str) -> None:
@@ -134,8 +140,7 @@ def plot_sigma_by_beta(rows: list[dict], path: str) -> None:
     ax.set_yscale("log")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def write_reports(
@@ -148,7 +153,7 @@ def write_reports(
         plot_loss_by_beta(history, os.path.join(workdir, "loss_by_beta.png"))
         if not np.isnan(rows[0]["z_sigma_min_over_fro_start"]):
             plot_sigma_by_beta(rows, os.path.join(workdir, "sigma_by_beta.png"))
-    with open(os.path.join(workdir, "beta_table.csv"), "w", newline="") as f:
+    with atomic_open(os.path.join(workdir, "beta_table.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)

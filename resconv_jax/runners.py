@@ -79,6 +79,11 @@ class ChunkRunners:
         )
 
     @property
+    def largest(self):
+        """The compiled chunk with the probe (the most memory), for `memory.check_compiled`."""
+        return self._with_probe
+
+    @property
     def description(self) -> str:
         """', n runs at a time' when the runs are stepped in chunks, else ''."""
         if not self.runs_per_chunk:

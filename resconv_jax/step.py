@@ -61,6 +61,8 @@ class StepFunctions:
     predict: Callable  # (params, hp, x) -> F(X), one run
     # (params, hp, x) -> (λ_min(K), λ_max(K)), each (R,); one run at a time (see linalg.py)
     kernel_eigenvalues: Callable
+    # (params, hp, x) -> (R,) λ_max(K) by matrix-free power iteration, one run at a time
+    kernel_lambda_max: Callable
 
 
 def make_step_functions(
@@ -163,5 +165,9 @@ def make_step_functions(
         predict=predict,
         kernel_eigenvalues=lambda params, hp, x: jax.lax.map(
             lambda run: kernel_eigenvalues_one(*run, x), (params, hp)
+        ),
+        kernel_lambda_max=lambda params, hp, x: jax.lax.map(
+            lambda run: theory.kernel_lambda_max(lambda p: predict(p, run[1], x), run[0]),
+            (params, hp),
         ),
     )

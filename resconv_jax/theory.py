@@ -95,6 +95,35 @@ def tangent_kernel_eigenvalues(f: Callable, params) -> tuple[jax.Array, jax.Arra
     return jnp.maximum(lam_min, 0), eig[-1]
 
 
+def kernel_lambda_max(f: Callable, params, *, iterations: int = 30) -> jax.Array:
+    """λ_max(K), K = J Jᵀ, by power iteration on Jᵀ J, matrix-free (J never formed).
+
+    Each iteration is one JVP and one VJP of ``f`` (params pytree -> array). The estimate rises
+    to λ_max from below; 30 iterations from a fixed start vector are within a few percent unless
+    the top two eigenvalues nearly coincide. Jit-able (``f`` static).
+    """
+    theta, unravel = ravel_pytree(params)
+
+    def flat_f(t):
+        return jnp.ravel(f(unravel(t)))
+
+    _, pullback = jax.vjp(flat_f, theta)
+
+    def gram(u):  # Jᵀ J u
+        return pullback(jax.jvp(flat_f, (theta,), (u,))[1])[0]
+
+    def body(_, carry):
+        u, _ = carry
+        w = gram(u)
+        norm = jnp.linalg.norm(w)
+        return w / jnp.maximum(norm, jnp.finfo(w.dtype).tiny), norm
+
+    start = jnp.cos(jnp.arange(theta.size, dtype=theta.dtype) * 0.7 + 0.3)
+    u0 = start / jnp.linalg.norm(start)
+    _, lam = jax.lax.fori_loop(0, iterations, body, (u0, jnp.zeros((), theta.dtype)))
+    return lam
+
+
 def certificate_bound(lr, lam_min, *, loss_scale=1.0, lam_max=None):
     """Predicted contraction of the linearized GD step, η' = lr·loss_scale.
 

@@ -1,8 +1,10 @@
-"""`run(config, workdir)`: mesh -> data -> state (restore or init) -> compiled step loop -> summary.
+"""`run(config, workdir)`: data -> mesh -> compiled step -> workdir (lock, checks) -> state
+(restore or init) -> step loop -> summary.
 
 Every run of a sweep advances in one program. The loop hands control back to Python only at log
 steps, where it writes metrics, checks the tangent-kernel certificate, checks for divergence,
-checkpoints, and honours SIGTERM.
+checkpoints, and honours SIGTERM. Everything that can refuse the input (config, data, memory, a
+workdir holding another run) is checked before the first write into the workdir.
 """
 
 from __future__ import annotations
@@ -11,78 +13,48 @@ import dataclasses
 import functools
 import json
 import os
-import signal
+import shutil
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from resconv_jax import probe, report, sharding, theory
-from resconv_jax.checkpoint import Checkpointer
+from resconv_jax import memory, probe, report, sharding, signals, theory
+from resconv_jax.checkpoint import Checkpointer, checkpoint_losses_finite
 from resconv_jax.config_defaults import base_config
 from resconv_jax.data import load_dataset
-from resconv_jax.metrics import MetricsWriter, progress_line, step_flops
+from resconv_jax.divergence import TrainingDiverged, diverged_message, diverging_runs
+from resconv_jax.metrics import (
+    METRICS_FILE,
+    MetricsWriter,
+    progress_line,
+    read_metrics_lines,
+    step_flops,
+    valid_prefix,
+)
 from resconv_jax.models import transformer
 from resconv_jax.runners import ChunkRunners, check_runs_per_chunk
 from resconv_jax.step import init_opt_state, make_optimizer, make_step_functions
 from resconv_jax.summary import fit_floor, run_summaries
 from resconv_jax.sweep import expand_runs, run_hparams
 from resconv_jax.validation import ConfigError, check_workdir, validate_config
+from resconv_jax.workdir import (
+    CONFIG_FILE,
+    LOCK_FILE,
+    WorkdirLock,
+    WorkdirWriteError,
+    check_same_run,
+    read_saved_config,
+    write_json,
+    writing,
+)
 
-CONFIG_FILE = "config.json"
-RESUMABLE_CHANGES = ("train.num_steps", "train.print_every")
-
-
-class TrainingDiverged(RuntimeError):
-    """A run's loss became non-finite; the message is one line saying what to do."""
+__all__ = ["Preempted", "TrainingDiverged", "run"]
 
 
 class Preempted(RuntimeError):
-    """SIGTERM or a pod preemption: a checkpoint was saved and the run can be resumed."""
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat |= _flatten(value, f"{prefix}{key}.")
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
-def _check_resumable(workdir: str, config_json: dict) -> None:
-    path = os.path.join(workdir, CONFIG_FILE)
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        saved = _flatten(json.load(f))
-    current = _flatten(config_json)
-    # A field added since the run started took its default there.
-    defaults = _flatten(json.loads(base_config().to_json_best_effort()))
-    saved = {k: v for k, v in defaults.items() if k in current} | saved
-    changed = [
-        k
-        for k in sorted(saved.keys() | current.keys())
-        if saved.get(k) != current.get(k) and k not in RESUMABLE_CHANGES
-    ]
-    if changed:
-        k = changed[0]
-        raise ConfigError(
-            f"--workdir={workdir} holds a run with another config ({k}: {saved.get(k)!r} -> "
-            f"{current.get(k)!r}); use a new --workdir"
-        )
-
-
-def _prepare_workdir(workdir: str, config_json: dict) -> None:
-    try:
-        os.makedirs(workdir, exist_ok=True)
-    except OSError as error:
-        raise ConfigError(f"--workdir={workdir}: cannot create it ({error.strerror})") from None
-    if jax.process_index() == 0:
-        with open(os.path.join(workdir, CONFIG_FILE), "w") as f:
-            json.dump(config_json, f, indent=2)
+    """SIGTERM or a pod preemption: the run stopped at a safe point and can be resumed."""
 
 
 def _init_params(model_cfg, runs) -> dict:
@@ -140,45 +112,119 @@ def _with_kernel_lrs(config, runs, kernel: _Kernel, params, hp, x):
     return [dataclasses.replace(run, lr=float(lr)) for run, lr in zip(runs, lrs, strict=True)]
 
 
+def _stop_before_training(what: str) -> None:
+    """Raises Preempted if a SIGTERM is pending, before any step of this process ran."""
+    if signals.requested():
+        signals.acknowledge()
+        raise Preempted(
+            f"SIGTERM during start-up ({what}): nothing was trained yet; rerun the same command "
+            "to start"
+        )
+
+
+def _saved_config(workdir: str, checkpointer: Checkpointer) -> tuple[dict | None, str]:
+    """The config the workdir's run started with: config.json, else the newest checkpoint's copy.
+
+    Raises ConfigError if checkpoints exist but none of them (and no config.json) says which
+    config they belong to.
+    """
+    saved = read_saved_config(workdir)
+    if saved is not None:
+        return saved, CONFIG_FILE
+    steps = checkpointer.steps()
+    for step in reversed(steps):
+        meta = checkpointer.read_meta(step) or {}
+        if isinstance(meta.get("config"), dict):
+            return meta["config"], f"the checkpoint of step {step} ({CONFIG_FILE} is missing)"
+    if steps:
+        raise ConfigError(
+            f"{os.path.join(workdir, CONFIG_FILE)} is missing and no checkpoint in "
+            f"{checkpointer.directory} holds a copy of the config: cannot check that this config "
+            "is the run's; restore config.json, or use a new --workdir"
+        )
+    return None, ""
+
+
+def _remove_new_workdir(workdir: str) -> None:
+    """Deletes a workdir this process created, if it holds nothing but the lock (and an empty
+    checkpoints folder): a refused start leaves no trace."""
+    leftovers = set(os.listdir(workdir)) - {LOCK_FILE, "checkpoints"}
+    checkpoints = os.path.join(workdir, "checkpoints")
+    if not leftovers and not (os.path.isdir(checkpoints) and os.listdir(checkpoints)):
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
 def run(config, workdir: str) -> list[dict]:
     """Trains every run of `config`'s sweep in `workdir` (resuming there if possible).
 
-    Returns one summary dict per run. Raises ConfigError before writing anything for bad input,
-    TrainingDiverged on a non-finite loss, Preempted after saving on SIGTERM.
+    Returns one summary dict per run. Raises, each with a one-line message: ConfigError before
+    writing anything for bad input (config, data, a size that cannot fit, a workdir that holds
+    another run); WorkdirBusy if another process holds the workdir; TrainingDiverged on a
+    non-finite loss; WorkdirWriteError when a write fails (the last checkpoint stays good);
+    Preempted after SIGTERM (a checkpoint saved, or nothing trained yet).
     """
-    validate_config(config)
-    check_workdir(workdir)
-    runs = expand_runs(config)
-    dataset = load_dataset(config)
-    config_json = json.loads(config.to_json_best_effort())
-    _check_resumable(workdir, config_json)
+    previous_handler = signals.install()
+    try:
+        validate_config(config)
+        check_workdir(workdir)
+        if config.data.name == "synthetic":
+            memory.check_synthetic_data(config.data)
+        dataset = load_dataset(config)
+        _stop_before_training("loading the data")
+        created = not os.path.exists(workdir)
+        lock = WorkdirLock(workdir)
+        if jax.process_index() == 0:
+            with writing(f"--workdir={workdir}"):
+                os.makedirs(workdir, exist_ok=True)
+            lock.acquire()
+        try:
+            return _run_locked(config, workdir, dataset)
+        except (ConfigError, Preempted):
+            if created and jax.process_index() == 0:
+                lock.release()
+                _remove_new_workdir(workdir)
+            raise
+        finally:
+            lock.release()
+    finally:
+        signals.restore(previous_handler)
 
-    x_np, y_np = dataset.x_train, dataset.y_train
-    model_cfg = transformer.model_config(config.model, d=x_np.shape[-1], d_y=y_np.shape[-1])
-    mesh = sharding.make_mesh(len(runs), x_np.shape[0], config.mesh)
-    check_runs_per_chunk(config.train.runs_per_chunk, mesh)
-    graphdef, one_run_params = transformer.init_params(model_cfg, runs[0].seed)
-    kernel_fits = _jacobian_fits(config, y_np, one_run_params)
-    if config.optim.lr_rule == "lambda_max" and not kernel_fits:
-        raise ConfigError(
-            "config.optim.lr_rule=lambda_max needs the Jacobian to fit "
-            f"theory.max_jacobian_entries={config.theory.max_jacobian_entries}"
-        )
-    _prepare_workdir(workdir, config_json)
 
+@dataclasses.dataclass
+class _Program:
+    """What the step loop needs: the placed arrays, the compiled chunks and the run settings."""
+
+    runs: list
+    state: object
+    hp: dict
+    x: jax.Array
+    y: jax.Array
+    x_val: jax.Array | None
+    y_val: jax.Array | None
+    runners: ChunkRunners
+    evaluate: object
+    kernel: _Kernel | None
+    lambda_max_at_init: object  # () -> (R,) λ_max(K) at initialization, power iteration
+    loss_scale: float
+    flops: float
+    compile_seconds: float
+
+
+def _build(config, dataset, mesh, model_cfg, graphdef, kernel_fits) -> _Program:
+    """Places data and state on the mesh, compiles the chunks, refuses what cannot fit."""
     put_data = functools.partial(sharding.put, sharding=sharding.data_sharding(mesh))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    x, y = put_data(x_np), put_data(y_np)
+    x, y = put_data(dataset.x_train), put_data(dataset.y_train)
     x_val, y_val = None, None
     if dataset.x_val is not None:
         # Validation sets rarely divide the 'data' axis; they are small, so replicate those.
         divisible = dataset.x_val.shape[0] % mesh.shape["data"] == 0
         put_val = put_data if divisible else functools.partial(sharding.put, sharding=replicated)
         x_val, y_val = put_val(dataset.x_val), put_val(dataset.y_val)
+    runs = expand_runs(config)
     on_runs = sharding.run_sharding(mesh)
     hp = sharding.put_tree(run_hparams(runs), on_runs)
     optimizer = make_optimizer(config.optim)
-    train = config.train
     probe_fn = None
     if config.probe.enabled:
         probe_fn = functools.partial(
@@ -188,16 +234,17 @@ def run(config, workdir: str) -> list[dict]:
             per_sample=config.probe.per_sample,
         )
     make_fns = functools.partial(
-        make_step_functions, graphdef, optimizer, config.optim.reduction, train.log_every
+        make_step_functions, graphdef, optimizer, config.optim.reduction, config.train.log_every
     )
     fns = make_fns()  # loss, step, evaluate, kernel: the chunk runners add the probe
+    loss_scale = _loss_scale(config, dataset.y_train)
     kernel = None
     if (config.theory.every or config.optim.lr_rule == "lambda_max") and kernel_fits:
-        kernel = _Kernel(jax.jit(fns.kernel_eigenvalues), _loss_scale(config, y_np))
+        kernel = _Kernel(jax.jit(fns.kernel_eigenvalues), loss_scale)
     elif config.theory.every:
         print(
-            f"theory: tangent-kernel certificate skipped: J ({y_np.size} outputs x params) "
-            f"exceeds theory.max_jacobian_entries={config.theory.max_jacobian_entries}",
+            f"theory: tangent-kernel certificate skipped: J ({dataset.y_train.size} outputs x "
+            f"params) exceeds theory.max_jacobian_entries={config.theory.max_jacobian_entries}",
             flush=True,
         )
     params = _init_params(model_cfg, runs)
@@ -205,92 +252,209 @@ def run(config, workdir: str) -> list[dict]:
         runs = _with_kernel_lrs(config, runs, kernel, params, hp, x)
     state = sharding.put_tree(_init_state(params, runs, optimizer), on_runs)
 
+    def lambda_max_at_init():
+        initial = sharding.put_tree(_init_params(model_cfg, runs), on_runs)
+        return np.asarray(jax.jit(fns.kernel_lambda_max)(initial, hp, x))
+
+    t0 = time.perf_counter()
+    runners = ChunkRunners(make_fns, probe_fn, config, mesh, (state, hp, x, y))
+    memory.check_compiled(runners.largest, mesh)
+    return _Program(
+        runs=runs,
+        state=state,
+        hp=hp,
+        x=x,
+        y=y,
+        x_val=x_val,
+        y_val=y_val,
+        runners=runners,
+        evaluate=jax.jit(fns.evaluate),
+        kernel=kernel,
+        lambda_max_at_init=lambda_max_at_init,
+        loss_scale=loss_scale,
+        flops=step_flops(fns.step, state, hp, x, y),
+        compile_seconds=time.perf_counter() - t0,
+    )
+
+
+def _run_locked(config, workdir: str, dataset) -> list[dict]:
+    """`run` once the workdir is locked: checks, restore, the step loop, the summary."""
+    x_np, y_np = dataset.x_train, dataset.y_train
+    model_cfg = transformer.model_config(config.model, d=x_np.shape[-1], d_y=y_np.shape[-1])
+    runs = expand_runs(config)
+    mesh = sharding.make_mesh(len(runs), x_np.shape[0], config.mesh)
+    check_runs_per_chunk(config.train.runs_per_chunk, mesh)
+    graphdef, one_run_params = transformer.init_params(model_cfg, runs[0].seed)
+    kernel_fits = _jacobian_fits(config, y_np, one_run_params)
+    if config.optim.lr_rule == "lambda_max" and not kernel_fits:
+        raise ConfigError(
+            "config.optim.lr_rule=lambda_max needs the Jacobian to fit "
+            f"theory.max_jacobian_entries={config.theory.max_jacobian_entries}"
+        )
+    train = config.train
     checkpointer = Checkpointer(
         workdir,
         every=train.checkpoint_every,
         keep=train.keep_checkpoints,
         use_async=train.async_checkpoints,
     )
-    step = 0
-    restored = checkpointer.restore_latest(state)
-    if restored is not None:
-        step, state, _ = restored
-        print(f"resuming from step {step} ({checkpointer.directory})", flush=True)
-    writer = MetricsWriter(workdir, resume_step=step)
+    try:
+        config_json = json.loads(config.to_json_best_effort())
+        saved, where = _saved_config(workdir, checkpointer)
+        if saved is not None:
+            defaults = json.loads(base_config().to_json_best_effort())
+            check_same_run(workdir, saved, config_json, defaults, where)
+        program = _build(config, dataset, mesh, model_cfg, graphdef, kernel_fits)
+        _stop_before_training("compiling")
+        if jax.process_index() == 0:
+            write_json(os.path.join(workdir, CONFIG_FILE), config_json)
+        step, state, kept = _restore(config, workdir, checkpointer, program)
+        program.state = state
+        writer = MetricsWriter(workdir, kept)
+        try:
+            _loop(config, workdir, program, checkpointer, writer, step, config_json, dataset)
+        finally:
+            writer.close()
+    finally:
+        checkpointer.close()
+    floor = fit_floor(config.model.dtype)
+    settings = [r.settings() for r in program.runs]
+    summaries = run_summaries(writer.history, settings, floor)
+    if jax.process_index() == 0:
+        write_json(os.path.join(workdir, "summary.json"), summaries)
+        rows = report.write_reports(workdir, writer.history, config.report.loss_threshold, floor)
+        if len(rows) > 1:
+            print(report.format_beta_table(rows), flush=True)
+    return summaries
 
-    t0 = time.perf_counter()
-    runners = ChunkRunners(make_fns, probe_fn, config, mesh, (state, hp, x, y))
-    evaluate = jax.jit(fns.evaluate)
-    flops = step_flops(fns.step, state, hp, x, y)
+
+def _restore(config, workdir: str, checkpointer: Checkpointer, program: _Program):
+    """(step, state, metrics lines kept) of the newest good checkpoint that the metrics cover.
+
+    metrics.jsonl must hold every line before the resume step; when it does not (a torn or cut
+    file), an earlier checkpoint (or step 0) is used so that the missing lines are recomputed.
+    """
+    settings = [r.settings() for r in program.runs]
+    prefix, reach = valid_prefix(read_metrics_lines(workdir), settings, config.train.log_every)
+    latest = checkpointer.latest_step()
+    if latest is not None and latest > reach:
+        print(
+            f"{os.path.join(workdir, METRICS_FILE)} holds the lines of the steps before {reach} "
+            f"only, the latest checkpoint is at step {latest}: resuming from an earlier "
+            "checkpoint (or step 0) to recompute the missing lines",
+            flush=True,
+        )
+
+    def accept(state) -> str | None:
+        return checkpoint_losses_finite(
+            np.asarray(program.evaluate(state["params"], program.hp, program.x, program.y))
+        )
+
+    restored = checkpointer.restore_latest(program.state, max_step=reach, accept=accept)
+    if restored is None:
+        return 0, program.state, []
+    step, state, _ = restored
+    print(f"resuming from step {step} ({checkpointer.directory})", flush=True)
+    return step, state, [line for line in prefix if line[1]["step"] < step]
+
+
+def _resume_hint(checkpointer: Checkpointer) -> str:
+    steps = checkpointer.steps()
+    last = f"step {steps[-1]} in {checkpointer.directory}" if steps else "none"
+    return f"last checkpoint: {last}; free space (or fix the folder) and rerun the same command"
+
+
+def _loop(config, workdir, program, checkpointer, writer, step, config_json, dataset) -> None:
+    """Steps every run from `step` to train.num_steps, one log chunk at a time."""
+    train, p = config.train, program
+    runs, kernel = p.runs, p.kernel
     print(
-        f"{len(runs)} runs, mesh {dict(mesh.shape)}, {dataset.description}; compiled in "
-        f"{time.perf_counter() - t0:.1f}s{runners.description}; {flops:.3g} FLOP per step "
-        "(all runs)",
+        f"{len(runs)} runs, mesh {dict(p.x.sharding.mesh.shape)}, {dataset.description}; "
+        f"compiled in {p.compile_seconds:.1f}s{p.runners.description}; {p.flops:.3g} FLOP per "
+        "step (all runs)",
         flush=True,
     )
-
-    preempt = {"signal": False}
-    previous_handler = signal.signal(signal.SIGTERM, lambda *_: preempt.update(signal=True))
     settings = [r.settings() for r in runs]
     lrs = np.array([r.lr for r in runs])
-    total = train.num_steps
+    total, start, state = train.num_steps, step, p.state
+    meta = {"config": config_json}
     try:
         last_print, last_print_step = time.perf_counter(), step
         while step < total:
-            if preempt["signal"] or checkpointer.reached_preemption(step):
+            if signals.requested() or checkpointer.reached_preemption(step):
+                signals.acknowledge()
+                if step == start:
+                    raise Preempted(
+                        f"SIGTERM before the first step: nothing was trained in this start "
+                        f"(the run is at step {step}); rerun the same command to go on"
+                    )
                 if checkpointer.latest_step() != step:
-                    checkpointer.save(step, state, {"step": step}, force=True)
+                    checkpointer.save(step, state, meta | {"step": step}, force=True)
                 checkpointer.wait()
                 raise Preempted(
                     f"preempted at step {step}: checkpoint saved in {checkpointer.directory}; "
                     "rerun the same command to resume"
                 )
             num = min(train.log_every, total - step)
-            val = None if x_val is None else np.asarray(evaluate(state["params"], hp, x_val, y_val))
+            val = None
+            if p.x_val is not None:
+                val = np.asarray(p.evaluate(state["params"], p.hp, p.x_val, p.y_val))
             params_at_step = state["params"]
             certify = kernel is not None and config.theory.every and step % config.theory.every == 0
             if certify:  # the kernel needs the parameters the chunk is about to donate
                 params_at_step = jax.tree.map(jnp.copy, params_at_step)
-            state, buffers = runners.at(step)(state, hp, x, y, jnp.int32(num))
+            state, buffers = p.runners.at(step)(state, p.hp, p.x, p.y, jnp.int32(num))
             buffers = jax.tree.map(np.asarray, buffers)
-            ntk = None
-            if certify and num > 1:  # before the finiteness check, which reports its λ_max
-                contraction = buffers["loss"][1] / buffers["loss"][0]
-                ntk = kernel.records(params_at_step, hp, x, lrs, contraction)
-            _check_finite(buffers["loss"][:num], step, runs, checkpointer, kernel)
             records = _log_records(settings, buffers, num, val)
-            if ntk is not None:
+            losses = buffers["loss"][:num]
+            if certify and num > 1 and np.isfinite(buffers["loss"][0]).all():
+                contraction = buffers["loss"][1] / buffers["loss"][0]
+                ntk = kernel.records(params_at_step, p.hp, p.x, lrs, contraction)
                 records = [r | n for r, n in zip(records, ntk, strict=True)]
             writer.write(step, records)
+            if diverging_runs(losses).size:
+                message = _diverged(config, program, checkpointer, writer, step, losses)
+                raise TrainingDiverged(message)
             step += num
-            checkpointer.save(step, state, {"step": step}, force=step == total)
+            checkpointer.save(step, state, meta | {"step": step}, force=step == total)
             if step % train.print_every == 0 or step == total:
                 now = time.perf_counter()
                 rate = (step - last_print_step) / max(now - last_print, 1e-9)
                 print(progress_line(step, total, buffers["loss"][num - 1], rate), flush=True)
-                writer.scalars(step, {"steps_per_sec": rate, "flops_per_sec": rate * flops})
+                writer.scalars(step, {"steps_per_sec": rate, "flops_per_sec": rate * p.flops})
                 last_print, last_print_step = now, step
         if not writer.history or writer.history[-1]["step"] < total:
-            final = {"loss": np.asarray(evaluate(state["params"], hp, x, y))}
-            if x_val is not None:
-                final["val_loss"] = np.asarray(evaluate(state["params"], hp, x_val, y_val))
+            final = {"loss": np.asarray(p.evaluate(state["params"], p.hp, p.x, p.y))}
+            if p.x_val is not None:
+                final["val_loss"] = np.asarray(p.evaluate(state["params"], p.hp, p.x_val, p.y_val))
             writer.write(
                 total, [s | {k: v[r] for k, v in final.items()} for r, s in enumerate(settings)]
             )
         checkpointer.wait()
-    finally:
-        signal.signal(signal.SIGTERM, previous_handler)
-        checkpointer.close()
-        writer.close()
-    floor = fit_floor(config.model.dtype)
-    summaries = run_summaries(writer.history, settings, floor)
-    if jax.process_index() == 0:
-        with open(os.path.join(workdir, "summary.json"), "w") as f:
-            json.dump(summaries, f, indent=2)
-        rows = report.write_reports(workdir, writer.history, config.report.loss_threshold, floor)
-        if len(rows) > 1:
-            print(report.format_beta_table(rows), flush=True)
-    return summaries
+    except WorkdirWriteError as error:
+        raise WorkdirWriteError(f"{error}; {_resume_hint(checkpointer)}") from None
+
+
+def _diverged(config, program: _Program, checkpointer, writer, step: int, losses) -> str:
+    kernel = program.kernel
+
+    def lambda_max():
+        if kernel is not None and kernel.lam_max is not None:
+            return kernel.lam_max, "lambda_max from the latest tangent-kernel certificate"
+        return program.lambda_max_at_init(), "lambda_max at initialization, power iteration"
+
+    checkpointer.wait()
+    return diverged_message(
+        losses,
+        step,
+        program.runs,
+        writer.history,
+        checkpointer.steps(),
+        checkpointer.directory,
+        lambda_max,
+        program.loss_scale,
+        bool(config.sweep.lr),
+    )
 
 
 def _log_records(settings: list[dict], buffers: dict, num: int, val) -> list[dict]:
@@ -309,24 +473,3 @@ def _log_records(settings: list[dict], buffers: dict, num: int, val) -> list[dic
                 record |= {f"layer{i}/{key}": v for i, v in enumerate(values[0, r])}
         records.append(record)
     return records
-
-
-def _check_finite(losses: np.ndarray, step: int, runs, checkpointer, kernel) -> None:
-    """Raises TrainingDiverged naming the first non-finite loss of `losses` (steps × runs)."""
-    bad = ~np.isfinite(losses)
-    if not bad.any():
-        return
-    offset, r = np.argwhere(bad)[0]
-    run = runs[r]
-    last = checkpointer.latest_step()
-    where = f"step {last} in {checkpointer.directory}" if last is not None else "none"
-    if kernel is not None and kernel.lam_max is not None:
-        stable = theory.stable_lr(kernel.lam_max[r], loss_scale=kernel.loss_scale)
-        advice = f"the tangent kernel's stable step size 2/lambda_max was {stable:.3g}; try "
-        advice += f"--config.optim.lr={0.5 * stable:.3g}"
-    else:
-        advice = f"try a smaller step size, e.g. --config.optim.lr={run.lr / 4:g}"
-    raise TrainingDiverged(
-        f"run {r} (beta_attn={run.beta_attn}, beta_ffn={run.beta_ffn}, seed={run.seed}) diverged: "
-        f"loss {losses[offset, r]} at step {step + offset}; last good checkpoint: {where}; {advice}"
-    )

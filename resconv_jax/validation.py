@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import jax
@@ -66,8 +67,23 @@ def _get(config, dotted: str):
     return value
 
 
+def _check_finite(node, prefix: str = "config") -> None:
+    """Every float of the config, alone or in a tuple, must be finite (no inf, no nan)."""
+    for key, value in node.items():
+        field = f"{prefix}.{key}"
+        if hasattr(value, "items"):
+            _check_finite(value, field)
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{field}={value}: must be a finite number")
+        elif isinstance(value, tuple | list) and any(
+            isinstance(v, float) and not math.isfinite(v) for v in value
+        ):
+            raise ConfigError(f"{field}={tuple(value)}: must be finite")
+
+
 def validate_config(config) -> None:
     """Raises ConfigError (one line) for the first value that cannot be run."""
+    _check_finite(config)
     for field, allowed in CHOICES.items():
         value = _get(config, field)
         if value is not None and value not in allowed:

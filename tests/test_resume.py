@@ -94,7 +94,7 @@ def test_sigterm_saves_and_resume_continues(tmp_path):
     assert (workdir / METRICS_FILE).read_text() == reference_metrics(tmp_path)
 
 
-def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path, caplog):
+def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path, capsys):
     steps = {"train.num_steps": 40, "train.checkpoint_every": 10, "train.async_checkpoints": False}
     reference = tmp_path / "reference"
     train.run(load_config_file(TINY, **steps), str(reference))
@@ -106,5 +106,5 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path, caplog):
             with open(os.path.join(root, name), "wb") as f:
                 f.write(b"garbage")
     train.run(load_config_file(TINY, **steps), str(workdir))
-    assert "checkpoint at step 30 is unreadable" in caplog.text
+    assert "checkpoint at step 30 is unreadable" in capsys.readouterr().out
     assert (workdir / METRICS_FILE).read_text() == (reference / METRICS_FILE).read_text()

@@ -123,9 +123,12 @@ def test_diverging_run_stops_with_one_line_and_keeps_checkpoint(tmp_path):
         train.run(config, str(tmp_path))
     message = str(error.value)
     assert "\n" not in message
-    assert "diverged" in message and "last good checkpoint: step" in message
-    assert "--config.optim.lr=0.0025" in message
-    assert read_metrics(str(tmp_path))
+    assert "1 of 3 runs diverged (first: run 2" in message
+    assert "no good checkpoint (at steps 5 a diverging run's loss was already" in message
+    # Half of 2/λ_max(K) of the β = 1 run at initialization (λ_max = 828.85 by the dense kernel).
+    assert "2/lambda_max(K) = 0.00241" in message and "--config.optim.lr=0.00121" in message
+    steps = [r["step"] for r in read_metrics(str(tmp_path)) if r["run"] == 2]
+    assert steps == [0, 5]  # the line of the chunk that diverged is written too
 
 
 @pytest.mark.parametrize(

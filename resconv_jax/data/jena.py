@@ -1,12 +1,16 @@
 """Jena Climate windows for the paper's weather experiment.
 
 Pipeline (paper.md, "Jena Climate"; our protocol where the paper is silent): read the original CSV
-format (jena_csv.py), drop exact duplicate records, keep every 6th record of a 10-minute file
-(starting at the first, which reproduces the shared hourly npz/CSV), set wind-speed error values
-(<= -9990) to 0, split the hourly rows 70/20/10 in time order, standardize every feature with the
-train rows' mean and std, and cut each split into windows: X_p is M consecutive hours of the
-selected features, Y_p the standardized temperature of the next M hours. A window's inputs and
-targets lie inside its split. Optionally X is lifted to a wider width by a fixed random map.
+format (jena_csv.py), drop exact duplicate records, keep the records of a 10-minute file that lie
+on the hourly clock of its first record (timestamp = first mod 1 h: every 6th record on a gap-free
+file, as in the shared hourly npz/CSV, which were sampled by index and so shift their minute after
+a gap of the source; here a missing record shifts nothing), set wind-speed error values (<= -9990)
+to 0, split the hourly rows 70/20/10 in time order, standardize every feature with the train rows'
+mean and std, and cut each split into windows: X_p is M consecutive rows of the selected features,
+Y_p the standardized temperature of the next M rows. A window's inputs and targets lie inside its
+split. Gaps are not filled: the summary (`JenaSplits.source`) reports them and the duplicates.
+A column (or the target) that is constant or near-constant on the train split is refused, as are
+standardized val/test values beyond 1000 train stds. Optionally X is lifted by a fixed random map.
 """
 
 from __future__ import annotations
@@ -58,6 +62,9 @@ DOWNLOAD_TIMEOUT_S = 15.0
 BUNDLED_NAME = "jena_hourly_sample.csv.gz"
 SOURCES = ("bundled", "file", "download", "tfds")
 _WIND_SENTINEL = -9990.0  # wind speeds at or below this are the station's -9999 error code
+_FLAT_RTOL = 1e-6  # train std <= _FLAT_RTOL * (|mean| + 1): (near-)constant, not standardized
+_MAX_ABS_Z = 1e3  # a standardized val/test value beyond this means the train std is far too small
+_LISTED = 3  # how many line numbers a summary lists
 
 
 def default_jena_config() -> ml_collections.ConfigDict:
@@ -204,17 +211,101 @@ def load_table(cfg: Any) -> tuple[JenaTable, str]:
     return table, f"tfds jena_climate in {data_dir} (from {table.name})"
 
 
+def _first_few(items: list[str]) -> str:
+    """The first `_LISTED` items, comma-separated, with "…" if there are more."""
+    return ", ".join(items[:_LISTED]) + (", …" if len(items) > _LISTED else "")
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
+def _line_list(lines: np.ndarray) -> str:
+    """'line 7' or 'lines 7, 9, 12, …' for (D,) CSV line numbers."""
+    return ("line " if lines.size == 1 else "lines ") + _first_few([str(i) for i in lines])
+
+
 def _to_hourly(table: JenaTable) -> tuple[JenaTable, str]:
+    """Hourly records: an hourly file as it is; of a 10-minute file those on the first's clock."""
     if len(table) < 2:
         raise JenaDataError(f"{table.name}: only {len(table)} record, need many hourly records")
-    spacing = float(np.median(np.diff(table.timestamps)))
-    if abs(spacing - 600) <= 60:
-        return table.take(slice(None, None, 6)), "10-minute records, every 6th kept"
+    ts = table.timestamps
+    spacing = float(np.median(np.diff(ts)))
     if abs(spacing - 3600) <= 360:
         return table, "hourly records"
-    raise JenaDataError(
-        f"{table.name}: median spacing of records is {spacing / 60:g} min, expected 10 or 60"
+    if abs(spacing - 600) > 60:
+        raise JenaDataError(
+            f"{table.name}: median spacing of records is {spacing / 60:g} min, expected 10 or 60"
+        )
+    offset = (ts - ts[0]) % 3600
+    kind = f"10-minute records, every 6th kept (those at hh:{format_timestamp(ts[0])[-5:]})"
+    off_grid = table.lines[offset % 600 != 0]
+    if off_grid.size:
+        kind += (
+            f", {_plural(off_grid.size, 'record')} off the 10-minute grid ({_line_list(off_grid)})"
+        )
+    return table.take(offset == 0), kind
+
+
+def _describe_step(seconds: int) -> str:
+    if seconds % 3600 == 0:
+        return f"{seconds // 3600 - 1} h missing"
+    return f"{seconds / 60:g} min step"
+
+
+def _gap_note(table: JenaTable) -> str:
+    """'' if the (N,) hourly timestamps step by 1 h throughout; else a note on the other steps."""
+    steps = np.diff(table.timestamps)
+    at = np.flatnonzero(steps != 3600)
+    if not at.size:
+        return ""
+    where = [f"after line {table.lines[i]}: {_describe_step(int(steps[i]))}" for i in at]
+    return (
+        f"; {_plural(at.size, 'gap')} in the hourly grid ({_first_few(where)}): "
+        "windows spanning a gap join non-consecutive hours"
     )
+
+
+def _duplicate_note(dropped: np.ndarray) -> str:
+    """'' or the count and first line numbers of the (D,) dropped duplicate records."""
+    if not dropped.size:
+        return ""
+    return f", {_plural(dropped.size, 'exact duplicate record')} dropped ({_line_list(dropped)})"
+
+
+def _check_spread(name: str, names: list[str], mean, std, later: np.ndarray) -> None:
+    """Refuse columns that are (near-)constant on the train split, all in one line.
+
+    mean, std: (k,) train statistics of the columns `names`; later: (N - n_train, k) the
+    val/test values, only to say which of the refused columns vary after the train split.
+    """
+    tol = _FLAT_RTOL * (np.abs(mean) + 1)
+    flat = np.flatnonzero(std <= tol)
+    if not flat.size:
+        return
+    varies = (np.abs(later - mean) > tol).any(axis=0)
+    items = [
+        f"{names[j]!r} (std {std[j]:.2g}" + (", varies on val/test)" if varies[j] else ")")
+        for j in flat
+    ]
+    raise JenaDataError(
+        f"{name}: constant or near-constant on the train split (std <= {_FLAT_RTOL:g}*(|mean|+1)), "
+        f"cannot standardize: {', '.join(items)}"
+    )
+
+
+def _check_scaled(name: str, names: list[str], z: np.ndarray, lines: np.ndarray, bounds) -> None:
+    """Refuse standardized val/test values beyond `_MAX_ABS_Z` (z: (N, k), lines: (N,))."""
+    for split in ("val", "test"):
+        lo, hi = bounds[split]
+        big = np.abs(z[lo:hi]) > _MAX_ABS_Z
+        if big.any():
+            i, j = np.argwhere(big)[0]
+            raise JenaDataError(
+                f"{name}: line {lines[lo + i]}: {names[j]!r} is {z[lo + i, j]:.3g} train stds "
+                f"from the train mean on the {split} split (the train split is near-constant "
+                "there, or this is an error value)"
+            )
 
 
 def _windows(z: np.ndarray, t: np.ndarray, m: int, stride: int, count: int):
@@ -223,11 +314,36 @@ def _windows(z: np.ndarray, t: np.ndarray, m: int, stride: int, count: int):
     return z[idx].astype(np.float32), t[idx + m][..., None].astype(np.float32)
 
 
+def _standardize(table: JenaTable, values: np.ndarray, features, bounds):
+    """z (N, d_feat) features and t (N,) target scaled by the train rows' mean and std.
+
+    values: (N, k) the table's values with wind errors set to 0. Also returns the statistics
+    (mean (d_feat,), std (d_feat,), t_mean, t_std). Refuses (near-)constant train columns and
+    absurd val/test values (see `_check_spread`, `_check_scaled`).
+    """
+    n_train = bounds["train"][1]
+    cols = [table.columns.index(f) for f in features]
+    ti = table.columns.index(TARGET_COLUMN)
+    train = values[:n_train]
+    mean, std = train[:, cols].mean(axis=0), train[:, cols].std(axis=0)
+    t_mean, t_std = float(train[:, ti].mean()), float(train[:, ti].std())
+    names, checked, c_mean, c_std = list(features), cols, mean, std
+    if TARGET_COLUMN not in features:
+        names, checked = [*names, TARGET_COLUMN], [*cols, ti]
+        c_mean, c_std = np.append(mean, t_mean), np.append(std, t_std)
+    _check_spread(table.name, names, c_mean, c_std, values[n_train:, checked])
+    z = (values[:, cols] - mean) / std
+    t = (values[:, ti] - t_mean) / t_std
+    scaled = z if TARGET_COLUMN in features else np.column_stack([z, t])
+    _check_scaled(table.name, names, scaled, table.lines, bounds)
+    return z, t, (mean, std, t_mean, t_std)
+
+
 def make_splits(table: JenaTable, cfg: Any, source: str = "") -> JenaSplits:
     """Windows from raw records (any source), as described in the module docstring."""
     c = _check_config(cfg)
     name, m, stride = table.name, c["seq_len"], c["stride"]
-    table, n_dup = check_order(table)
+    table, dropped = check_order(table)
     table, kind = _to_hourly(table)
     features = c["features"] or table.columns
     missing = [f for f in features if f not in table.columns]
@@ -245,21 +361,11 @@ def make_splits(table: JenaTable, cfg: Any, source: str = "") -> JenaSplits:
         "val": (n_train, n_train + n_val),
         "test": (n_train + n_val, n),
     }
-    cols = [table.columns.index(f) for f in features]
-    ti = table.columns.index(TARGET_COLUMN)
-    train = values[:n_train]
-    mean, std = train[:, cols].mean(axis=0), train[:, cols].std(axis=0)
-    t_mean, t_std = float(train[:, ti].mean()), float(train[:, ti].std())
-    flat = [features[j] for j in range(len(cols)) if not std[j] > 0]
-    if flat or not t_std > 0:
-        flat = flat or [TARGET_COLUMN]
-        raise JenaDataError(f"{name}: constant on the train split, cannot standardize: {flat}")
-    z = (values[:, cols] - mean) / std
-    t = (values[:, ti] - t_mean) / t_std
+    z, t, (mean, std, t_mean, t_std) = _standardize(table, values, features, bounds)
     lift = None
     if c["lift_dim"]:
         rng = np.random.default_rng(c["lift_seed"])
-        lift = rng.standard_normal((len(cols), c["lift_dim"])) / np.sqrt(len(cols))
+        lift = rng.standard_normal((len(features), c["lift_dim"])) / np.sqrt(len(features))
         z = z @ lift
     wanted = {"train": c["num_train"], "val": c["num_val"], "test": -1}
     out: dict[str, np.ndarray] = {}
@@ -276,10 +382,9 @@ def make_splits(table: JenaTable, cfg: Any, source: str = "") -> JenaSplits:
             )
         out[f"x_{split}"], out[f"y_{split}"] = _windows(z[lo:hi], t[lo:hi], m, stride, count)
     span = f"{format_timestamp(table.timestamps[0])} .. {format_timestamp(table.timestamps[-1])}"
-    dropped = f", {n_dup} exact duplicate records dropped" if n_dup else ""
     label = (
-        f"{source or name}: {kind}{dropped}; {n} hourly rows {span}; "
-        f"split rows {n_train}/{n_val}/{n - n_train - n_val}"
+        f"{source or name}: {kind}{_duplicate_note(dropped)}; {n} hourly rows {span}"
+        f"{_gap_note(table)}; split rows {n_train}/{n_val}/{n - n_train - n_val}"
     )
     return JenaSplits(
         **out,

@@ -233,21 +233,19 @@ def parse_jena_csv(content: bytes, name: str) -> JenaTable:
     )
 
 
-def check_order(table: JenaTable) -> tuple[JenaTable, int]:
+def check_order(table: JenaTable) -> tuple[JenaTable, np.ndarray]:
     """Drop exact duplicate records; then timestamps must increase strictly.
 
     A record whose timestamp AND values repeat an earlier record is dropped (the canonical
     10-minute file repeats some records; its hourly derivative dropped them the same way).
     A repeated timestamp with other values, or a timestamp earlier than a previous one, is an
-    error. Returns the kept records and how many were dropped.
+    error. Returns the kept records and the (D,) int64 CSV line numbers of the D dropped ones.
     """
     ts = table.timestamps
-    if len(ts) < 2:
-        return table, 0
     late = np.zeros(len(ts), bool)
     late[1:] = ts[1:] <= np.maximum.accumulate(ts)[:-1]
     if not late.any():
-        return table, 0
+        return table, table.lines[late]
     uniq, first = np.unique(ts, return_index=True)
     for i in np.flatnonzero(late):
         j = int(first[np.searchsorted(uniq, ts[i])])
@@ -266,7 +264,7 @@ def check_order(table: JenaTable) -> tuple[JenaTable, int]:
                 f"line {table.lines[j]}",
                 int(table.lines[i]),
             )
-    return table.take(~late), int(late.sum())
+    return table.take(~late), table.lines[late]
 
 
 def format_timestamp(seconds: int | np.integer) -> str:

@@ -1,0 +1,90 @@
+"""A run whose loss became non-finite: which runs, the last good checkpoint, a step size to try.
+
+The last good checkpoint is the newest one whose logged loss is finite and no higher than at
+step 0 for every diverging run (a checkpoint can hold a state whose own loss is already NaN: the
+loss of a step is only computed by the next step). The suggested η is half the stable step size
+2/λ_max(K) of the most restrictive diverging run: λ_max from the latest tangent-kernel
+certificate, or, without one, measured at initialization by matrix-free power iteration.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+from resconv_jax import theory
+
+
+class TrainingDiverged(RuntimeError):
+    """A run's loss became non-finite; the message is one line saying what to do."""
+
+
+def diverging_runs(losses: np.ndarray) -> np.ndarray:
+    """Indices of the runs with a non-finite loss in `losses` (steps, R)."""
+    return np.flatnonzero((~np.isfinite(losses)).any(axis=0))
+
+
+def last_good_checkpoint(history: list[dict], steps: list[int], runs: np.ndarray) -> int | None:
+    """The newest of checkpoint `steps` whose logged loss is finite and at most the step-0 loss
+    for every run in `runs` (None if there is none)."""
+    loss = {(line["step"], line["run"]): line.get("loss") for line in history}
+
+    def good(step: int, run: int) -> bool:
+        value, start = loss.get((step, run)), loss.get((0, run))
+        return (
+            isinstance(value, float)
+            and isinstance(start, float)
+            and math.isfinite(value)
+            and value <= start
+        )
+
+    for step in sorted(steps, reverse=True):
+        if all(good(step, int(r)) for r in runs):
+            return step
+    return None
+
+
+def diverged_message(
+    losses: np.ndarray,
+    step: int,
+    runs: list,
+    history: list[dict],
+    checkpoint_steps: list[int],
+    directory: str,
+    lambda_max: Callable[[], tuple[np.ndarray, str]],
+    loss_scale: float,
+    sweeps_lr: bool,
+) -> str:
+    """The one-line report of a divergence in the chunk that starts at `step`.
+
+    losses: (steps, R) of the chunk. lambda_max() -> ((R,) λ_max(K), where it comes from).
+    """
+    bad = diverging_runs(losses)
+    offset, first = (int(v) for v in np.argwhere(~np.isfinite(losses))[0])
+    run = runs[first]
+    text = (
+        f"{len(bad)} of {len(runs)} runs diverged (first: run {first}, beta_attn="
+        f"{run.beta_attn:g}, beta_ffn={run.beta_ffn:g}, seed={run.seed}, lr={run.lr:g}: loss "
+        f"{losses[offset, first]} at step {step + offset}); "
+    )
+    good = last_good_checkpoint(history, checkpoint_steps, bad)
+    if good is not None:
+        text += f"last good checkpoint: step {good} in {directory}; "
+    elif checkpoint_steps:
+        text += (
+            f"no good checkpoint (at steps {', '.join(map(str, checkpoint_steps))} a diverging "
+            "run's loss was already non-finite or above its step-0 loss); "
+        )
+    else:
+        text += "no checkpoint yet; "
+    lam, source = lambda_max()
+    stable = theory.stable_lr(np.asarray(lam, float)[bad], loss_scale=loss_scale)
+    worst = int(bad[np.argmin(stable)])
+    suggestion = 0.5 * float(np.min(stable))
+    option = "--config.sweep.lr values at most " if sweeps_lr else "--config.optim.lr="
+    return text + (
+        f"the most restrictive of them, run {worst}, has 2/lambda_max(K) = {np.min(stable):.3g} "
+        f"({source}): rerun on a new --workdir with {option}{suggestion:.3g}"
+    )

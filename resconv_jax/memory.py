@@ -1,0 +1,86 @@
+"""Up-front memory checks: refuse a size that cannot fit before anything is written.
+
+Two checks: the synthetic data set from the config's shapes alone (before it is drawn), and the
+compiled training chunk from XLA's memory analysis (its temporaries and outputs, per device)
+against what the devices have free. On a CPU every device shares the host's memory.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+from resconv_jax.validation import ConfigError
+
+
+def format_bytes(num: float) -> str:
+    """'1.5 GiB', '12.0 MiB', '900 B'."""
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if num >= size:
+            return f"{num / size:.1f} {unit}"
+    return f"{int(num)} B"
+
+
+def host_available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux), else physical memory; None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+
+
+def device_available_bytes(device) -> int | None:
+    """Free bytes of an accelerator (its allocator's limit minus what is in use), or the host's
+    available memory for a CPU device."""
+    if device.platform == "cpu":
+        return host_available_bytes()
+    stats = device.memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+
+
+def check_synthetic_data(data_cfg) -> None:
+    """Refuses synthetic data (P, M, d + d_y float32, a host and a device copy) that cannot fit."""
+    entries = data_cfg.num_samples * data_cfg.seq_len * (data_cfg.dim + data_cfg.out_dim)
+    need = 2 * 4 * entries
+    have = host_available_bytes()
+    if have is not None and need > have:
+        raise ConfigError(
+            f"config.data.num_samples={data_cfg.num_samples}: the data set alone needs "
+            f"{format_bytes(need)} (P·M·(d + d_y) float32, on the host and on the devices), "
+            f"more than the {format_bytes(have)} of memory available; use fewer samples"
+        )
+
+
+def check_compiled(compiled, mesh: jax.sharding.Mesh) -> None:
+    """Refuses a compiled chunk whose new allocations exceed what its devices have free.
+
+    New allocations per device: temporaries + outputs − outputs aliased to donated inputs (the
+    inputs are already allocated). On a CPU they add up over the mesh's devices.
+    """
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        return
+    per_device = (
+        analysis.temp_size_in_bytes + analysis.output_size_in_bytes - analysis.alias_size_in_bytes
+    )
+    device = mesh.devices.flat[0]
+    sharing = mesh.size if device.platform == "cpu" else 1
+    need, have = per_device * sharing, device_available_bytes(device)
+    if have is not None and need > have:
+        across = f" × {sharing} devices" if sharing > 1 else ""
+        raise ConfigError(
+            f"the training step needs {format_bytes(need)} of memory ("
+            f"{format_bytes(per_device)} per device{across}, from XLA's memory analysis of the "
+            f"compiled step), more than the {format_bytes(have)} free on {device.platform}; "
+            "reduce data.num_samples, the model's widths or the number of runs"
+        )

@@ -1,0 +1,39 @@
+"""SIGTERM as a request to stop at the next safe point (a log step, or before training starts).
+
+`main.py` installs the handler before it imports JAX, so a SIGTERM at any point of start-up is
+seen; `train.run` installs it too (for library callers) and polls `requested()`.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+_received = threading.Event()
+
+
+def _on_sigterm(signum, frame) -> None:
+    _received.set()
+
+
+def install():
+    """Routes SIGTERM to the flag; returns the previous handler (None off the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def restore(previous) -> None:
+    """Puts back a handler returned by `install`."""
+    if previous is not None:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def requested() -> bool:
+    """Whether a SIGTERM arrived and has not been acted on yet."""
+    return _received.is_set()
+
+
+def acknowledge() -> None:
+    """Marks the pending SIGTERM as handled (the caller stops)."""
+    _received.clear()

@@ -1,0 +1,312 @@
+"""Faults a long sweep meets: torn metrics, a second process, corrupt checkpoints, a lost
+config.json, a full disk. Each run must either continue exactly or refuse in one line."""
+
+import errno
+import glob
+import json
+import os
+import socket
+import struct
+
+import numpy as np
+import pytest
+
+from resconv_jax import train
+from resconv_jax.checkpoint import Checkpointer, checkpoint_losses_finite
+from resconv_jax.config_defaults import load_config_file
+from resconv_jax.metrics import METRICS_FILE, TENSORBOARD_DIR
+from resconv_jax.validation import ConfigError
+from resconv_jax.workdir import CONFIG_FILE, WorkdirBusy, WorkdirLock, WorkdirWriteError
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+TINY = os.path.join(ROOT, "configs", "tiny.py")
+STEPS = {"train.num_steps": 40, "train.checkpoint_every": 10, "train.async_checkpoints": False}
+
+
+def tiny(**overrides):
+    return load_config_file(TINY, **(STEPS | overrides))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> str:
+    """metrics.jsonl of an uninterrupted 40-step run."""
+    workdir = tmp_path_factory.mktemp("reference")
+    train.run(tiny(), str(workdir))
+    return (workdir / METRICS_FILE).read_text()
+
+
+def partial_run(workdir, steps: int = 30) -> None:
+    """The first `steps` steps of the reference run (checkpoints at 10, 20, 30)."""
+    train.run(tiny(**{"train.num_steps": steps}), str(workdir))
+
+
+def metrics_path(workdir) -> str:
+    return os.path.join(workdir, METRICS_FILE)
+
+
+def cut_metrics(workdir, keep_lines: int, torn: bool) -> None:
+    """Keeps the first `keep_lines` lines (a kill during a rewrite), optionally half a line more."""
+    with open(metrics_path(workdir)) as f:
+        lines = f.readlines()
+    text = "".join(lines[:keep_lines]) + (lines[keep_lines][:17] if torn else "")
+    with open(metrics_path(workdir), "w") as f:
+        f.write(text)
+
+
+@pytest.mark.parametrize("keep_lines, torn", [(7, True), (12, False), (0, False)])
+def test_cut_metrics_are_recomputed_from_an_earlier_checkpoint(
+    tmp_path, reference, capsys, keep_lines, torn
+):
+    partial_run(tmp_path)
+    cut_metrics(tmp_path, keep_lines, torn)
+    capsys.readouterr()
+    train.run(tiny(), str(tmp_path))
+    out = capsys.readouterr().out
+    assert "to recompute the missing lines" in out
+    assert open(metrics_path(tmp_path)).read() == reference
+
+
+def test_a_line_missing_in_the_middle_is_recomputed(tmp_path, reference):
+    partial_run(tmp_path)
+    with open(metrics_path(tmp_path)) as f:
+        lines = f.readlines()
+    del lines[10]  # step 15, run 1
+    with open(metrics_path(tmp_path), "w") as f:
+        f.writelines(lines)
+    train.run(tiny(), str(tmp_path))
+    assert open(metrics_path(tmp_path)).read() == reference
+
+
+def read_events(workdir) -> list[tuple[int, str]]:
+    """(step, tag) of every scalar in the workdir's TensorBoard event files (TFRecord framing)."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    found = []
+    for path in glob.glob(os.path.join(workdir, TENSORBOARD_DIR, "events*")):
+        data = open(path, "rb").read()
+        offset = 0
+        while offset < len(data):
+            (length,) = struct.unpack("<Q", data[offset : offset + 8])
+            event = Event.FromString(data[offset + 12 : offset + 12 + length])
+            offset += 12 + length + 4
+            found += [(event.step, value.tag) for value in event.summary.value]
+    return found
+
+
+def test_resume_keeps_one_tensorboard_scalar_per_step_and_tag(tmp_path):
+    partial_run(tmp_path, 30)
+    cut_metrics(tmp_path, 12, torn=False)  # forces a resume from step 10
+    train.run(tiny(), str(tmp_path))
+    events = [e for e in read_events(tmp_path) if e[1].startswith("run")]
+    assert len(events) == len(set(events))
+    assert sorted({step for step, _ in events}) == list(range(0, 41, 5))
+
+
+def test_a_second_process_on_the_workdir_is_refused(tmp_path):
+    os.makedirs(tmp_path / "w")
+    holder = WorkdirLock(str(tmp_path / "w"))
+    holder.acquire()
+    try:
+        with pytest.raises(WorkdirBusy) as error:
+            train.run(tiny(), str(tmp_path / "w"))
+    finally:
+        holder.release()
+    message = str(error.value)
+    assert f"in use by PID {os.getpid()} on host {socket.gethostname()}" in message
+    assert not os.path.exists(tmp_path / "w" / METRICS_FILE)
+    assert not os.path.exists(tmp_path / "w" / CONFIG_FILE)
+
+
+def _restore_raw(workdir, step: int):
+    import orbax.checkpoint as ocp
+
+    manager = ocp.CheckpointManager(
+        os.path.join(os.path.abspath(workdir), "checkpoints"), item_names=("state",)
+    )
+    args = ocp.args.Composite(state=ocp.args.StandardRestore())
+    return manager.restore(step, args=args).state
+
+
+def flip_one_bit(workdir, step: int) -> None:
+    """Flips one bit of checkpoint `step`'s array data such that Orbax still reads it, with other
+    values: the silent corruption that only a content hash catches."""
+    original = _restore_raw(workdir, step)
+    pattern = os.path.join(workdir, "checkpoints", str(step), "state", "**", "d", "*")
+    path = max(glob.glob(pattern, recursive=True), key=os.path.getsize)
+    data = open(path, "rb").read()
+    for offset in range(64, len(data), 97):
+        flipped = bytearray(data)
+        flipped[offset] ^= 0x10
+        open(path, "wb").write(bytes(flipped))
+        try:
+            changed = _restore_raw(workdir, step)
+        except Exception:  # noqa: BLE001 - a flip that Orbax notices: try another byte
+            continue
+        same = [np.array_equal(a, b) for a, b in zip(leaves(original), leaves(changed), strict=True)]
+        if not all(same):
+            return
+    raise AssertionError(f"no single-bit flip of {path} changes the restored values silently")
+
+
+def leaves(tree) -> list[np.ndarray]:
+    import jax
+
+    return [np.asarray(leaf) for leaf in jax.tree.leaves(tree)]
+
+
+def test_a_flipped_bit_in_a_checkpoint_falls_back_to_the_previous(tmp_path, reference, capsys):
+    partial_run(tmp_path)
+    flip_one_bit(tmp_path, 30)
+    capsys.readouterr()
+    train.run(tiny(), str(tmp_path))
+    out = capsys.readouterr().out
+    assert "checkpoint at step 30 does not match its content hashes" in out
+    assert "resuming from step 20" in out
+    assert open(metrics_path(tmp_path)).read() == reference
+
+
+def test_a_finished_run_with_a_corrupt_final_checkpoint_is_made_whole(tmp_path, reference):
+    train.run(tiny(), str(tmp_path))
+    flip_one_bit(tmp_path, 40)
+    train.run(tiny(), str(tmp_path))  # retrains 30 -> 40 and saves step 40 again
+    steps = Checkpointer(str(tmp_path), every=10, keep=3, use_async=False).steps()
+    assert steps[-1] == 40
+    assert open(metrics_path(tmp_path)).read() == reference
+    train.run(tiny(), str(tmp_path))  # and the next rerun finds it readable
+    assert open(metrics_path(tmp_path)).read() == reference
+
+
+def test_no_readable_checkpoint_says_the_run_restarts(tmp_path, reference, capsys):
+    partial_run(tmp_path)
+    for step in (10, 20, 30):
+        flip_one_bit(tmp_path, step)
+    capsys.readouterr()
+    train.run(tiny(), str(tmp_path))
+    assert "the run restarts from step 0" in capsys.readouterr().out
+    assert open(metrics_path(tmp_path)).read() == reference
+
+
+def test_a_restored_state_with_a_non_finite_loss_is_refused(tmp_path):
+    checkpointer = Checkpointer(str(tmp_path), every=10, keep=3, use_async=False)
+    good = {"w": np.ones(4, np.float32)}
+    checkpointer.save(10, good, {"step": 10})
+    checkpointer.save(20, {"w": np.full(4, np.nan, np.float32)}, {"step": 20})
+    checkpointer.wait()
+    lines = []
+    step, state, _ = checkpointer.restore_latest(
+        good,
+        accept=lambda s: checkpoint_losses_finite(np.asarray(s["w"]).sum(keepdims=True)),
+        report=lines.append,
+    )
+    assert step == 10 and lines == [
+        "checkpoint at step 20 holds a non-finite loss (run 0: nan); trying the previous one"
+    ]
+    assert checkpointer.steps() == [10]
+    checkpointer.close()
+
+
+def test_missing_config_json_is_checked_against_the_checkpoint(tmp_path):
+    partial_run(tmp_path)
+    os.remove(tmp_path / CONFIG_FILE)
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(
+        ConfigError, match=r"optim.lr: 0.004 -> 0.003, per the checkpoint of step 30"
+    ):
+        train.run(tiny(**{"optim.lr": 0.003}), str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+@pytest.mark.parametrize("content", [b"", b'{"model": ', b"\xff\xfe"])
+def test_unreadable_config_json_is_refused_in_one_line(tmp_path, content):
+    partial_run(tmp_path, 10)
+    (tmp_path / CONFIG_FILE).write_bytes(content)
+    with pytest.raises(ConfigError) as error:
+        train.run(tiny(), str(tmp_path))
+    message = str(error.value)
+    assert "\n" not in message and f"{tmp_path / CONFIG_FILE} is unreadable" in message
+    assert (tmp_path / CONFIG_FILE).read_bytes() == content
+
+
+def test_summary_json_is_strict_json_with_null_for_nan(tmp_path):
+    partial_run(tmp_path, 10)
+    text = (tmp_path / "summary.json").read_text()
+
+    def refuse(name):
+        raise AssertionError(f"bare {name} in summary.json")
+
+    summaries = json.loads(text, parse_constant=refuse)
+    assert [s["run"] for s in summaries] == [0, 1, 2]
+    assert not glob.glob(str(tmp_path / "*.tmp-*"))
+
+
+class _FullDisk:
+    """A file whose writes fail with ENOSPC once `budget` writes have gone through."""
+
+    def __init__(self, file, budget: list[int]):
+        self._file, self._budget = file, budget
+
+    def writelines(self, lines):
+        self._budget[0] -= 1
+        if self._budget[0] < 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self._file.writelines(lines)
+
+    def __getattr__(self, name):
+        return getattr(self._file, name)
+
+
+def test_a_full_disk_at_a_metrics_write_is_one_line_and_resumable(tmp_path, reference, monkeypatch):
+    from resconv_jax import metrics
+
+    budget = [5]
+    real_open = open
+    monkeypatch.setattr(
+        metrics, "open", lambda *a, **k: _FullDisk(real_open(*a, **k), budget), raising=False
+    )
+    with pytest.raises(WorkdirWriteError) as error:
+        train.run(tiny(), str(tmp_path))
+    message = str(error.value)
+    assert "\n" not in message and "No space left on device" in message
+    assert "last checkpoint: step 20 in" in message and "rerun the same command" in message
+    monkeypatch.undo()
+    train.run(tiny(), str(tmp_path))
+    assert open(metrics_path(tmp_path)).read() == reference
+
+
+def test_a_full_disk_at_a_checkpoint_is_one_line(tmp_path, monkeypatch):
+    import orbax.checkpoint as ocp
+
+    def no_space(*args, **kwargs):
+        raise ValueError("Error writing local file: [OS error: No space left on device]")
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", no_space)
+    with pytest.raises(WorkdirWriteError) as error:
+        train.run(tiny(), str(tmp_path))
+    message = str(error.value)
+    assert message.startswith("cannot save the checkpoint of step 5 in")
+    assert "No space left on device" in message and "last checkpoint: none" in message
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        ({"optim.lr": float("inf")}, "config.optim.lr=inf: must be a finite number"),
+        ({"model.qk_scale": float("nan")}, "config.model.qk_scale=nan: must be a finite number"),
+        ({"sweep.lr": (1e-3, float("inf"))}, "config.sweep.lr=(0.001, inf): must be finite"),
+        ({"data.num_samples": 100_000_000}, "the data set alone needs"),
+    ],
+)
+def test_bad_values_are_refused_before_anything_is_written(tmp_path, overrides, expected):
+    with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        train.run(tiny(**overrides), str(tmp_path / "w"))
+    assert not os.path.exists(tmp_path / "w")
+
+
+def test_a_step_that_cannot_fit_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    from resconv_jax import memory
+
+    monkeypatch.setattr(memory, "device_available_bytes", lambda device: 1 << 10)
+    with pytest.raises(ConfigError, match="XLA's memory analysis") as error:
+        train.run(tiny(), str(tmp_path / "w"))
+    assert "more than the 1.0 KiB free on cpu" in str(error.value)
+    assert not os.path.exists(tmp_path / "w")

@@ -142,8 +142,8 @@ def flip_one_bit(workdir, step: int) -> None:
             changed = _restore_raw(workdir, step)
         except Exception:  # noqa: BLE001 - a flip that Orbax notices: try another byte
             continue
-        same = [np.array_equal(a, b) for a, b in zip(leaves(original), leaves(changed), strict=True)]
-        if not all(same):
+        pairs = zip(leaves(original), leaves(changed), strict=True)
+        if not all(np.array_equal(a, b) for a, b in pairs):
             return
     raise AssertionError(f"no single-bit flip of {path} changes the restored values silently")
 

@@ -1,0 +1,125 @@
+"""The command line under faults: one line on stderr, the documented exit status, no traceback."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from resconv_jax.metrics import METRICS_FILE
+from resconv_jax.workdir import WorkdirLock
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+TINY = os.path.join(ROOT, "configs", "tiny.py")
+
+
+def main(*args, cwd=ROOT):
+    command = [sys.executable, "-m", "resconv_jax.main", *args]
+    env = os.environ | {"PYTHONPATH": os.path.abspath(ROOT)}
+    return subprocess.Popen(
+        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def finish(process, timeout: float = 120) -> tuple[int, str, str]:
+    out, err = process.communicate(timeout=timeout)
+    return process.returncode, out, err
+
+
+@pytest.mark.parametrize(
+    "config_file, extra, expected",
+    [
+        ("missing.py", ["--config.optim.lr=1"], "--config=missing.py: no such file"),
+        ("/etc/passwd", [], "not a Python config file (invalid syntax at line 1)"),
+        ("raises.py", ["--config.optim.lr=1"], "loading it failed (RuntimeError: boom)"),
+        (TINY, ["--config.optim.lr=inf"], "config.optim.lr=inf: must be a finite number"),
+        (TINY, ["--config.data.num_samples=100000000"], "the data set alone needs"),
+    ],
+)
+def test_bad_input_is_one_line_status_2_nothing_written(tmp_path, config_file, extra, expected):
+    (tmp_path / "raises.py").write_text("def get_config():\n    raise RuntimeError('boom')\n")
+    workdir = tmp_path / "w"
+    process = main(f"--config={config_file}", f"--workdir={workdir}", *extra, cwd=tmp_path)
+    status, _, err = finish(process)
+    assert status == 2
+    assert err.strip().splitlines() == [err.strip()] and expected in err
+    assert not workdir.exists()
+
+
+def test_a_locked_workdir_is_status_3_naming_the_holder(tmp_path):
+    holder = WorkdirLock(str(tmp_path))
+    holder.acquire()
+    try:
+        status, _, err = finish(main(f"--config={TINY}", f"--workdir={tmp_path}"))
+    finally:
+        holder.release()
+    assert status == 3, err
+    assert err.strip().startswith("error: --workdir=") and f"in use by PID {os.getpid()}" in err
+    assert not (tmp_path / METRICS_FILE).exists()
+
+
+def test_sigterm_during_start_up_exits_0_having_trained_nothing(tmp_path):
+    workdir = tmp_path / "w"
+    process = main(f"--config={TINY}", f"--workdir={workdir}")
+    time.sleep(0.3)  # still importing JAX
+    process.send_signal(signal.SIGTERM)
+    status, out, err = finish(process)
+    assert status == 0, err
+    assert "nothing was trained yet" in out
+    assert not (workdir / METRICS_FILE).exists()
+
+
+def _mount_tmpfs(path, size: str) -> bool:
+    os.makedirs(path, exist_ok=True)
+    try:
+        result = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+            capture_output=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return result.returncode == 0
+
+
+@pytest.mark.slow
+def test_a_full_disk_is_status_4_and_the_rerun_completes(tmp_path):
+    """A real full disk (a small tmpfs, filled while the run is going), where one can be mounted."""
+    disk = tmp_path / "disk"
+    if not _mount_tmpfs(disk, "64m"):
+        pytest.skip("cannot mount a tmpfs here (needs root); test_faults injects ENOSPC instead")
+    try:
+        workdir = disk / "w"
+        flags = ["--config.train.num_steps=400", "--config.train.async_checkpoints=False"]
+        flags += ["--config.train.checkpoint_every=10", "--config.train.keep_checkpoints=2"]
+        process = main(f"--config={TINY}", f"--workdir={workdir}", *flags)
+        deadline = time.time() + 120
+        while not (workdir / "checkpoints" / "20").exists() and time.time() < deadline:
+            time.sleep(0.05)
+        filler = disk / "filler"
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+        for block in (1 << 20, 4096, 1):  # take every free byte
+            try:
+                while True:
+                    os.write(fd, b"\0" * block)
+            except OSError:
+                pass
+        os.close(fd)
+        status, out, err = finish(process)
+        assert status == 4, (out, err)
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and "No space left on device" in lines[0], err
+        assert "Traceback" not in err
+        os.remove(filler)
+        status, out, err = finish(main(f"--config={TINY}", f"--workdir={workdir}", *flags))
+        assert status == 0, err
+        reference = tmp_path / "reference"
+        status, _, err = finish(main(f"--config={TINY}", f"--workdir={reference}", *flags))
+        assert status == 0, err
+        assert (workdir / METRICS_FILE).read_text() == (reference / METRICS_FILE).read_text()
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True, timeout=30)
+        shutil.rmtree(disk, ignore_errors=True)

@@ -310,3 +310,32 @@ def test_a_step_that_cannot_fit_is_refused_before_anything_is_written(tmp_path, 
         train.run(tiny(), str(tmp_path / "w"))
     assert "more than the 1.0 KiB free on cpu" in str(error.value)
     assert not os.path.exists(tmp_path / "w")
+
+
+def test_divergence_names_the_last_finite_checkpoint_and_the_most_restrictive_run():
+    from resconv_jax.divergence import diverged_message, last_good_checkpoint
+    from resconv_jax.sweep import RunSpec
+
+    runs = [RunSpec(r, 0, 0.01, b, b) for r, b in enumerate((0.0, 0.5, 1.0))]
+    history = [
+        {"step": step, "run": r, "loss": loss}
+        for step, losses in ((0, (5.0, 6.0, 7.0)), (10, (4.0, 5.0, 9.0)), (20, (3.0, "nan", 8.0)))
+        for r, loss in enumerate(losses)
+    ]
+    # Step 20 holds run 1's NaN; step 10 has run 2 above its start: only step 0 is good for both.
+    assert last_good_checkpoint(history, [0, 10, 20], np.array([1, 2])) == 0
+    assert last_good_checkpoint(history, [0, 10, 20], np.array([1])) == 10
+    losses = np.array([[1.0, np.nan, 2.0], [1.0, np.nan, np.inf]])
+    message = diverged_message(
+        losses,
+        20,
+        runs,
+        history,
+        [0, 10, 20],
+        "/ckpt",
+        lambda: (np.array([1.0, 100.0, 40.0]), "t"),
+        loss_scale=1.0,
+        sweeps_lr=False,
+    )
+    assert "2 of 3 runs diverged (first: run 1" in message and "step 0 in /ckpt" in message
+    assert "run 1, has 2/lambda_max(K) = 0.02" in message and "--config.optim.lr=0.01" in message

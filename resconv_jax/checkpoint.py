@@ -8,7 +8,9 @@ non-finite loss) is reported in one line and the one before it is tried.
 
 from __future__ import annotations
 
+import errno
 import os
+import sys
 from collections.abc import Callable
 
 import jax
@@ -55,10 +57,45 @@ def state_digest(state) -> dict[str, int]:
     return {jax.tree_util.keystr(path): int(value) for path, value in flat}
 
 
+def _from_abandoned_restore(unraisable) -> bool:
+    """Whether an unraisable exception is the debris of a failed Orbax restore: its tensorstore
+    reads finish after the restore's event loop closed, or its coroutines are never awaited."""
+    code = getattr(unraisable.object, "cr_code", None)
+    if code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename:
+        return True
+    value = unraisable.exc_value
+    return isinstance(value, RuntimeError) and str(value) == "Event loop is closed"
+
+
+def _quiet_failed_restores() -> None:
+    """After a failed restore (already reported in one line), its debris goes to the log, not to
+    stderr as tracebacks; every other unraisable exception is printed as before."""
+    previous = sys.unraisablehook
+    if getattr(previous, "quiets_failed_restores", False):
+        return
+
+    def hook(unraisable):
+        if _from_abandoned_restore(unraisable):
+            logging.info("after a failed restore: %s", unraisable.exc_value)
+        else:
+            previous(unraisable)
+
+    hook.quiets_failed_restores = True
+    sys.unraisablehook = hook
+
+
+_IO_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.ENOENT, errno.EACCES)
+
+
 def _first_line(error: BaseException) -> str:
+    """The reason for an I/O failure in a few words: the strerror of the OSError, or one found in
+    a library's message (tensorstore's name the OS error in the middle of a long line)."""
     if isinstance(error, OSError):
         return describe_os_error(error)
     text = str(error).strip()
+    for number in _IO_ERRNOS:
+        if os.strerror(number) in text:
+            return os.strerror(number)
     return text.splitlines()[0][:160] if text else type(error).__name__
 
 
@@ -162,6 +199,7 @@ class Checkpointer:
             restored = self._manager.restore(step, args=args)
         except Exception as error:  # noqa: BLE001 - any failure to read means unusable
             logging.info("checkpoint %d: %s", step, error)
+            _quiet_failed_restores()
             reason = _first_line(error) if isinstance(error, OSError) else type(error).__name__
             return f"is unreadable ({reason})", None, {}
         meta = restored.meta if isinstance(restored.meta, dict) else {}

@@ -132,20 +132,27 @@ def flip_one_bit(workdir, step: int) -> None:
     values: the silent corruption that only a content hash catches."""
     original = _restore_raw(workdir, step)
     pattern = os.path.join(workdir, "checkpoints", str(step), "state", "**", "d", "*")
-    path = max(glob.glob(pattern, recursive=True), key=os.path.getsize)
-    data = open(path, "rb").read()
-    for offset in range(64, len(data), 97):
-        flipped = bytearray(data)
-        flipped[offset] ^= 0x10
-        open(path, "wb").write(bytes(flipped))
-        try:
-            changed = _restore_raw(workdir, step)
-        except Exception:  # noqa: BLE001 - a flip that Orbax notices: try another byte
-            continue
-        pairs = zip(leaves(original), leaves(changed), strict=True)
-        if not all(np.array_equal(a, b) for a, b in pairs):
-            return
-    raise AssertionError(f"no single-bit flip of {path} changes the restored values silently")
+    for path in sorted(glob.glob(pattern, recursive=True), key=os.path.getsize, reverse=True):
+        data = open(path, "rb").read()
+        for offset in range(64, len(data), 97):
+            flipped = bytearray(data)
+            flipped[offset] ^= 0x10
+            open(path, "wb").write(bytes(flipped))
+            try:
+                changed = _restore_raw(workdir, step)
+            except Exception:  # noqa: BLE001 - a flip that Orbax notices: try another byte
+                continue
+            pairs = zip(leaves(original), leaves(changed), strict=True)
+            if not all(np.array_equal(a, b) for a, b in pairs):
+                return
+        open(path, "wb").write(data)
+    raise AssertionError(f"no single-bit flip in checkpoint {step} changes its values silently")
+
+
+def make_unreadable(workdir, step: int) -> None:
+    """Overwrites the index files of checkpoint `step` (Orbax then fails to read it)."""
+    for path in glob.glob(os.path.join(workdir, "checkpoints", str(step), "state", "d", "*")):
+        open(path, "wb").write(b"garbage")
 
 
 def leaves(tree) -> list[np.ndarray]:
@@ -179,7 +186,7 @@ def test_a_finished_run_with_a_corrupt_final_checkpoint_is_made_whole(tmp_path, 
 def test_no_readable_checkpoint_says_the_run_restarts(tmp_path, reference, capsys):
     partial_run(tmp_path)
     for step in (10, 20, 30):
-        flip_one_bit(tmp_path, step)
+        make_unreadable(tmp_path, step)
     capsys.readouterr()
     train.run(tiny(), str(tmp_path))
     assert "the run restarts from step 0" in capsys.readouterr().out

@@ -123,3 +123,16 @@ def test_a_full_disk_is_status_4_and_the_rerun_completes(tmp_path):
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True, timeout=30)
         shutil.rmtree(disk, ignore_errors=True)
+
+
+def test_an_unreadable_checkpoint_is_one_line_and_no_traceback(tmp_path):
+    flags = ["--config.train.num_steps=30", "--config.train.async_checkpoints=False"]
+    status, _, err = finish(main(f"--config={TINY}", f"--workdir={tmp_path}", *flags))
+    assert status == 0, err
+    for path in (tmp_path / "checkpoints" / "30" / "state" / "d").iterdir():
+        path.write_bytes(b"garbage")
+    status, out, err = finish(main(f"--config={TINY}", f"--workdir={tmp_path}", *flags))
+    assert status == 0, err
+    assert "checkpoint at step 30 is unreadable (ValueError); trying the previous one" in out
+    assert "resuming from step 20" in out
+    assert "Traceback" not in err and "Exception ignored" not in err, err

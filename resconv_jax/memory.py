@@ -65,7 +65,7 @@ def check_compiled(compiled, mesh: jax.sharding.Mesh) -> None:
     """Refuses a compiled chunk whose new allocations exceed what its devices have free.
 
     New allocations per device: temporaries + outputs − outputs aliased to donated inputs (the
-    inputs are already allocated). On a CPU they add up over the mesh's devices.
+    inputs are already allocated). On a CPU they add up over this process's devices.
     """
     analysis = compiled.memory_analysis()
     if analysis is None:
@@ -73,8 +73,9 @@ def check_compiled(compiled, mesh: jax.sharding.Mesh) -> None:
     per_device = (
         analysis.temp_size_in_bytes + analysis.output_size_in_bytes - analysis.alias_size_in_bytes
     )
-    device = mesh.devices.flat[0]
-    sharing = mesh.size if device.platform == "cpu" else 1
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    device = local[0]
+    sharing = len(local) if device.platform == "cpu" else 1
     need, have = per_device * sharing, device_available_bytes(device)
     if have is not None and need > have:
         across = f" × {sharing} devices" if sharing > 1 else ""

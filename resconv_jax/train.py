@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from resconv_jax import memory, probe, report, sharding, signals, theory
+from resconv_jax import memory, probe, report, sharding, signals
+from resconv_jax.certificate import Kernel, jacobian_fits, loss_scale, with_kernel_lrs
 from resconv_jax.checkpoint import Checkpointer, checkpoint_losses_finite
 from resconv_jax.config_defaults import base_config
 from resconv_jax.data import load_dataset
@@ -66,50 +67,6 @@ def _init_state(params, runs, optimizer):
     """Train state from stacked initial params (R, ...), with each run's step size."""
     lrs = jnp.asarray([run.lr for run in runs], jax.tree.leaves(params)[0].dtype)
     return {"params": params, "opt_state": init_opt_state(optimizer, params, lrs)}
-
-
-def _loss_scale(config, y: np.ndarray) -> float:
-    """d loss / d(½‖F − Y‖²): 1 for the sum reduction, 1/N for the mean over N entries."""
-    return 1.0 if config.optim.reduction == "sum" else 1.0 / y.size
-
-
-def _jacobian_fits(config, y: np.ndarray, params: dict) -> bool:
-    """Whether J (y.size outputs × the parameters of one run) fits theory.max_jacobian_entries."""
-    num_params = sum(np.size(leaf) for leaf in jax.tree.leaves(params))
-    return y.size * num_params <= config.theory.max_jacobian_entries
-
-
-@dataclasses.dataclass
-class _Kernel:
-    """The tangent-kernel certificate: jitted eigenvalues and the latest λ_max per run."""
-
-    eigenvalues: object  # jitted (params, hp, x) -> (λ_min (R,), λ_max (R,))
-    loss_scale: float
-    lam_max: np.ndarray | None = None
-
-    def records(self, params, hp, x, lrs: np.ndarray, contraction: np.ndarray) -> list[dict]:
-        lam_min, lam_max = (np.asarray(v) for v in self.eigenvalues(params, hp, x))
-        self.lam_max = lam_max
-        bound = theory.certificate_bound(lrs, lam_min, loss_scale=self.loss_scale, lam_max=lam_max)
-        holds = theory.bound_holds(contraction, bound)
-        stable = theory.stable_lr(lam_max, loss_scale=self.loss_scale)
-        return [
-            {
-                "ntk/lambda_min": lam_min[r],
-                "ntk/lambda_max": lam_max[r],
-                "ntk/bound": bound[r],
-                "ntk/holds": float(holds[r]),
-                "ntk/stable_lr": stable[r],
-            }
-            for r in range(len(lrs))
-        ]
-
-
-def _with_kernel_lrs(config, runs, kernel: _Kernel, params, hp, x):
-    """lr_rule="lambda_max": each run's η = lr_factor / (λ_max(K)·loss_scale) at initialization."""
-    _, lam_max = (np.asarray(v) for v in kernel.eigenvalues(params, hp, x))
-    lrs = config.optim.lr_factor / (lam_max * kernel.loss_scale)
-    return [dataclasses.replace(run, lr=float(lr)) for run, lr in zip(runs, lrs, strict=True)]
 
 
 def _stop_before_training(what: str) -> None:
@@ -203,7 +160,7 @@ class _Program:
     y_val: jax.Array | None
     runners: ChunkRunners
     evaluate: object
-    kernel: _Kernel | None
+    kernel: Kernel | None
     lambda_max_at_init: object  # () -> (R,) λ_max(K) at initialization, power iteration
     loss_scale: float
     flops: float
@@ -237,10 +194,10 @@ def _build(config, dataset, mesh, model_cfg, graphdef, kernel_fits) -> _Program:
         make_step_functions, graphdef, optimizer, config.optim.reduction, config.train.log_every
     )
     fns = make_fns()  # loss, step, evaluate, kernel: the chunk runners add the probe
-    loss_scale = _loss_scale(config, dataset.y_train)
+    scale = loss_scale(config, dataset.y_train)
     kernel = None
     if (config.theory.every or config.optim.lr_rule == "lambda_max") and kernel_fits:
-        kernel = _Kernel(jax.jit(fns.kernel_eigenvalues), loss_scale)
+        kernel = Kernel(jax.jit(fns.kernel_eigenvalues), scale)
     elif config.theory.every:
         print(
             f"theory: tangent-kernel certificate skipped: J ({dataset.y_train.size} outputs x "
@@ -249,7 +206,7 @@ def _build(config, dataset, mesh, model_cfg, graphdef, kernel_fits) -> _Program:
         )
     params = _init_params(model_cfg, runs)
     if config.optim.lr_rule == "lambda_max":
-        runs = _with_kernel_lrs(config, runs, kernel, params, hp, x)
+        runs = with_kernel_lrs(config, runs, kernel, params, hp, x)
     state = sharding.put_tree(_init_state(params, runs, optimizer), on_runs)
 
     def lambda_max_at_init():
@@ -271,7 +228,7 @@ def _build(config, dataset, mesh, model_cfg, graphdef, kernel_fits) -> _Program:
         evaluate=jax.jit(fns.evaluate),
         kernel=kernel,
         lambda_max_at_init=lambda_max_at_init,
-        loss_scale=loss_scale,
+        loss_scale=scale,
         flops=step_flops(fns.step, state, hp, x, y),
         compile_seconds=time.perf_counter() - t0,
     )
@@ -285,7 +242,7 @@ def _run_locked(config, workdir: str, dataset) -> list[dict]:
     mesh = sharding.make_mesh(len(runs), x_np.shape[0], config.mesh)
     check_runs_per_chunk(config.train.runs_per_chunk, mesh)
     graphdef, one_run_params = transformer.init_params(model_cfg, runs[0].seed)
-    kernel_fits = _jacobian_fits(config, y_np, one_run_params)
+    kernel_fits = jacobian_fits(config, y_np, one_run_params)
     if config.optim.lr_rule == "lambda_max" and not kernel_fits:
         raise ConfigError(
             "config.optim.lr_rule=lambda_max needs the Jacobian to fit "

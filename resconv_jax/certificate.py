@@ -1,0 +1,55 @@
+"""The tangent-kernel certificate during training: λ_min, λ_max of K = J Jᵀ at checked steps,
+the linearized bound next to the measured contraction, and the lr_rule="lambda_max" step sizes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from resconv_jax import theory
+
+
+def loss_scale(config, y: np.ndarray) -> float:
+    """d loss / d(½‖F − Y‖²): 1 for the sum reduction, 1/N for the mean over N entries."""
+    return 1.0 if config.optim.reduction == "sum" else 1.0 / y.size
+
+
+def jacobian_fits(config, y: np.ndarray, params: dict) -> bool:
+    """Whether J (y.size outputs × the parameters of one run) fits theory.max_jacobian_entries."""
+    num_params = sum(np.size(leaf) for leaf in jax.tree.leaves(params))
+    return y.size * num_params <= config.theory.max_jacobian_entries
+
+
+@dataclasses.dataclass
+class Kernel:
+    """The tangent-kernel certificate: jitted eigenvalues and the latest λ_max per run."""
+
+    eigenvalues: object  # jitted (params, hp, x) -> (λ_min (R,), λ_max (R,))
+    loss_scale: float
+    lam_max: np.ndarray | None = None
+
+    def records(self, params, hp, x, lrs: np.ndarray, contraction: np.ndarray) -> list[dict]:
+        lam_min, lam_max = (np.asarray(v) for v in self.eigenvalues(params, hp, x))
+        self.lam_max = lam_max
+        bound = theory.certificate_bound(lrs, lam_min, loss_scale=self.loss_scale, lam_max=lam_max)
+        holds = theory.bound_holds(contraction, bound)
+        stable = theory.stable_lr(lam_max, loss_scale=self.loss_scale)
+        return [
+            {
+                "ntk/lambda_min": lam_min[r],
+                "ntk/lambda_max": lam_max[r],
+                "ntk/bound": bound[r],
+                "ntk/holds": float(holds[r]),
+                "ntk/stable_lr": stable[r],
+            }
+            for r in range(len(lrs))
+        ]
+
+
+def with_kernel_lrs(config, runs, kernel: Kernel, params, hp, x):
+    """lr_rule="lambda_max": each run's η = lr_factor / (λ_max(K)·loss_scale) at initialization."""
+    _, lam_max = (np.asarray(v) for v in kernel.eigenvalues(params, hp, x))
+    lrs = config.optim.lr_factor / (lam_max * kernel.loss_scale)
+    return [dataclasses.replace(run, lr=float(lr)) for run, lr in zip(runs, lrs, strict=True)]

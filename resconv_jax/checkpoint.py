@@ -57,9 +57,9 @@ def state_digest(state) -> dict[str, int]:
     return {jax.tree_util.keystr(path): int(value) for path, value in flat}
 
 
-def _from_abandoned_restore(unraisable) -> bool:
-    """Whether an unraisable exception is the debris of a failed Orbax restore: its tensorstore
-    reads finish after the restore's event loop closed, or its coroutines are never awaited."""
+def _from_abandoned_io(unraisable) -> bool:
+    """Whether an unraisable exception is the debris of a failed Orbax save or restore: its
+    tensorstore I/O finishes after the event loop closed, or its coroutines are never awaited."""
     code = getattr(unraisable.object, "cr_code", None)
     if code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename:
         return True
@@ -67,16 +67,16 @@ def _from_abandoned_restore(unraisable) -> bool:
     return isinstance(value, RuntimeError) and str(value) == "Event loop is closed"
 
 
-def _quiet_failed_restores() -> None:
-    """After a failed restore (already reported in one line), its debris goes to the log, not to
+def _quiet_failed_io() -> None:
+    """After a failed save or restore (reported in one line), its debris goes to the log, not to
     stderr as tracebacks; every other unraisable exception is printed as before."""
     previous = sys.unraisablehook
     if getattr(previous, "quiets_failed_restores", False):
         return
 
     def hook(unraisable):
-        if _from_abandoned_restore(unraisable):
-            logging.info("after a failed restore: %s", unraisable.exc_value)
+        if _from_abandoned_io(unraisable):
+            logging.info("after a failed checkpoint save or restore: %s", unraisable.exc_value)
         else:
             previous(unraisable)
 
@@ -104,6 +104,7 @@ class Checkpointer:
 
     def __init__(self, workdir: str, *, every: int, keep: int, use_async: bool):
         self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+        _quiet_failed_io()  # a failed save's debris can come before its exception
         options = ocp.CheckpointManagerOptions(
             save_interval_steps=every,
             max_to_keep=keep,
@@ -140,6 +141,7 @@ class Checkpointer:
         try:
             return self._manager.save(step, args=args, force=force)
         except Exception as error:  # noqa: BLE001 - Orbax wraps I/O failures in several types
+            _quiet_failed_io()
             raise WorkdirWriteError(
                 f"cannot save the checkpoint of step {step} in {self.directory} "
                 f"({_first_line(error)})"
@@ -199,7 +201,7 @@ class Checkpointer:
             restored = self._manager.restore(step, args=args)
         except Exception as error:  # noqa: BLE001 - any failure to read means unusable
             logging.info("checkpoint %d: %s", step, error)
-            _quiet_failed_restores()
+            _quiet_failed_io()
             reason = _first_line(error) if isinstance(error, OSError) else type(error).__name__
             return f"is unreadable ({reason})", None, {}
         meta = restored.meta if isinstance(restored.meta, dict) else {}
@@ -220,6 +222,7 @@ class Checkpointer:
         try:
             self._manager.wait_until_finished()
         except Exception as error:  # noqa: BLE001 - Orbax wraps I/O failures in several types
+            _quiet_failed_io()
             raise WorkdirWriteError(
                 f"cannot finish saving a checkpoint in {self.directory} ({_first_line(error)})"
             ) from None

@@ -13,6 +13,7 @@ Runs (or resumes) the config's sweep in DIR. Every failure is one line on stderr
 
 from __future__ import annotations
 
+import logging as std_logging
 import os
 import sys
 
@@ -106,6 +107,12 @@ def _stopped_before_start() -> None:
         sys.exit(0)
 
 
+def _orbax_errors_are_ours(record) -> bool:
+    """A logging filter: Orbax's ERROR records (tracebacks from its writer threads) are dropped
+    from stderr; the failure they describe reaches the user as one WorkdirWriteError line."""
+    return not (record.levelno >= std_logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname)
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         _fail(f"unexpected arguments: {' '.join(argv[1:])}", EXIT_BAD_INPUT)
@@ -113,6 +120,7 @@ def main(argv: list[str]) -> None:
     if _is_multi_host_launch():
         jax.distributed.initialize()
     logging.set_verbosity(logging.WARNING)
+    logging.get_absl_handler().addFilter(_orbax_errors_are_ours)
     try:
         config = _CONFIG.value
         task = config.task

@@ -1,0 +1,394 @@
+"""SST-2 sentences as GPT-2 token ids for the paper's sentiment experiment.
+
+Pipeline (paper.md, "SST-2"; our protocol where the paper is silent): read GLUE's SST-2 TSVs
+(header `sentence<TAB>label`, then one `sentence<TAB>label` row per line, label 0/1, UTF-8, plain
+or gzip). The sentence is the field before the tab with surrounding whitespace STRIPPED (GLUE's
+train and dev put a space before the tab; kept, GPT-2 would add a lone `Ġ` token to every row).
+Tokenize with GPT-2's byte-level BPE (no special tokens added) and keep at most `max_tokens`
+tokens per sentence (longer ones are TRUNCATED, their first `max_tokens` kept). Training rows: the
+first P of `np.random.default_rng(seed).permutation(N)` over the N train rows, in that order, not
+class-balanced (duplicate GLUE phrases are kept as rows). Validation rows: the dev split in file
+order (all 872 rows, or the first `num_val`). Arrays have exactly T = `max_tokens` columns, padded
+on the right with `PAD_ID` (GPT-2's eos); the mask says which tokens are real.
+
+Sources: "bundled" (default: the first 4000 GLUE train rows and all 872 dev rows, packaged, see
+bundled/SST2_PROVENANCE.md), "file" (a folder with GLUE's `train.tsv[.gz]` and `dev.tsv[.gz]`),
+"tfds" (the `sst2` builder of sst2_tfds.py, prepared from those files). The GPT-2 vocabulary and
+merges are bundled too (bundled/GPT2_TOKENIZER_PROVENANCE.md); `tokenizer_dir` overrides them.
+Every data error is a one-line `SST2DataError` naming the file and, where it applies, the line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gzip
+import json
+import zlib
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import ml_collections
+import numpy as np
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, processors
+
+__all__ = [
+    "EOS_ID",
+    "PAD_ID",
+    "SST2DataError",
+    "SST2Splits",
+    "SST2Table",
+    "bundled_bytes",
+    "bundled_tables",
+    "default_sst2_config",
+    "file_tables",
+    "gpt2_tokenizer",
+    "load_sst2",
+    "load_tables",
+    "make_splits",
+    "parse_sst2_tsv",
+    "read_tsv_bytes",
+    "select_train_rows",
+    "split_file",
+    "tokenize",
+]
+
+EOS_ID = 50256  # GPT-2's <|endoftext|>
+PAD_ID = EOS_ID  # padding id; the mask, not the id, marks padding
+HEADER = "sentence\tlabel"
+SOURCES = ("bundled", "file", "tfds")
+SPLIT_FILES = {"train": "train.tsv", "dev": "dev.tsv"}
+BUNDLED_TRAIN = "sst2_train_head4000.tsv.gz"
+BUNDLED_DEV = "sst2_dev.tsv.gz"
+BUNDLED_VOCAB = "gpt2_vocab.json.gz"
+BUNDLED_MERGES = "gpt2_merges.txt.gz"
+# sha256 of the decompressed bundled files (see the provenance files beside them).
+BUNDLED_SHA256 = {
+    BUNDLED_TRAIN: "ff2a277b0ea2b260df5842ab0c027c2b82fdc1dffacb8da0ca3f30781eb90564",
+    BUNDLED_DEV: "54a9c12c77e402fc14d6a66a506f24d999f596b0176eb777c972cccc2f9cc4b0",
+    BUNDLED_VOCAB: "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+    BUNDLED_MERGES: "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+}
+_SHOWN = 40  # characters of a bad field quoted in a message
+
+
+class SST2DataError(ValueError):
+    """Bad SST-2 data or config; the message is one line naming the file and line if known."""
+
+
+def _fail(name: str, problem: str, line: int | None = None) -> SST2DataError:
+    where = f"{name}: line {line}: " if line is not None else f"{name}: "
+    return SST2DataError((where + problem).replace("\n", " "))
+
+
+@dataclasses.dataclass(frozen=True)
+class SST2Table:
+    """The labelled rows of one SST-2 TSV, in file order.
+
+    Attributes:
+      name: the file, for messages.
+      sentences: N sentences, surrounding whitespace stripped.
+      labels: (N,) int32, 0 = negative, 1 = positive.
+      lines: (N,) int64 line number of each row in the file (the header is line 1).
+    """
+
+    name: str
+    sentences: tuple[str, ...]
+    labels: np.ndarray
+    lines: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.sentences)
+
+    def take(self, index: np.ndarray) -> SST2Table:
+        """The rows at the (K,) integer `index`, in that order."""
+        return dataclasses.replace(
+            self,
+            sentences=tuple(self.sentences[int(i)] for i in index),
+            labels=self.labels[index],
+            lines=self.lines[index],
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class SST2Splits:
+    """Token ids, masks and labels of the chosen train rows (P) and dev rows (P_val).
+
+    ids_train: (P, T) int32 GPT-2 ids, right-padded with `pad_id`; mask_train: (P, T) int32,
+    1 on real tokens (a prefix of each row), 0 on padding; labels_train: (P,) int32 in {0, 1};
+    train_lines: (P,) int64 line of each row in its TSV. ids_val, mask_val: (P_val, T);
+    labels_val, val_lines: (P_val,). T = max_tokens. description: one line (source, counts,
+    class balance, truncations).
+    """
+
+    ids_train: np.ndarray
+    mask_train: np.ndarray
+    labels_train: np.ndarray
+    ids_val: np.ndarray
+    mask_val: np.ndarray
+    labels_val: np.ndarray
+    train_lines: np.ndarray
+    val_lines: np.ndarray
+    description: str
+    pad_id: int = PAD_ID
+
+
+def default_sst2_config() -> ml_collections.ConfigDict:
+    """Defaults for `load_sst2` (P = 256 train sentences of at most 64 tokens, all dev rows)."""
+    cfg = ml_collections.ConfigDict()
+    cfg.source = "bundled"  # "bundled" (4000 train + 872 dev GLUE rows, packaged) | "file" | "tfds"
+    cfg.path = ""  # folder with train.tsv[.gz] and dev.tsv[.gz]; for tfds "" = the bundled sample
+    cfg.tokenizer_dir = ""  # folder: tokenizer.json, or vocab.json + merges.txt; "" = bundled
+    cfg.max_tokens = 64  # T: tokens kept per sentence (longer ones truncated); arrays are (P, T)
+    cfg.num_train = 256  # P: first P rows of a seeded permutation of the train rows; -1 = all
+    cfg.num_val = -1  # dev rows for validation, the first ones in file order; -1 = all (872)
+    cfg.seed = 0  # seed of the train-row permutation
+    cfg.tfds_data_dir = ""  # tfds data_dir for source=tfds ("" = ~/.cache/resconv_jax/tfds)
+    return cfg
+
+
+def _int_field(cfg: Any, name: str, default: int, minimum: int) -> int:
+    value = getattr(cfg, name, default)
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
+        raise SST2DataError(f"sst2 config: {name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _check_config(cfg: Any) -> dict[str, Any]:
+    """The config's fields, validated, with defaults for missing ones."""
+    d = default_sst2_config()
+    c = {k: str(getattr(cfg, k, d[k]) or "") for k in ("source", "path", "tokenizer_dir")}
+    c["tfds_data_dir"] = str(getattr(cfg, "tfds_data_dir", "") or "")
+    if c["source"] not in SOURCES:
+        raise SST2DataError(f"sst2 config: unknown source {c['source']!r}, expected {SOURCES}")
+    if c["source"] == "file" and not c["path"]:
+        raise SST2DataError("sst2 config: source='file' needs path=<folder: train.tsv, dev.tsv>")
+    c["max_tokens"] = _int_field(cfg, "max_tokens", d.max_tokens, 1)
+    c["seed"] = _int_field(cfg, "seed", d.seed, 0)
+    for key in ("num_train", "num_val"):
+        c[key] = _int_field(cfg, key, d[key], -1)
+        if c[key] == 0:
+            raise SST2DataError(f"sst2 config: {key} must be -1 (all) or > 0, got 0")
+    return c
+
+
+def read_tsv_bytes(path: str | Path) -> tuple[bytes, str]:
+    """The bytes of a plain or gzip file (by content, not by suffix), and its name."""
+    name = str(path)
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as e:
+        raise _fail(name, f"cannot read ({e.strerror or e})") from None
+    if raw[:2] != b"\x1f\x8b":
+        return raw, name
+    try:
+        return gzip.decompress(raw), name
+    except (OSError, EOFError, zlib.error) as e:
+        raise _fail(name, f"corrupt gzip data ({e})") from None
+
+
+def _decode(content: bytes, name: str) -> str:
+    try:
+        return content.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = content.count(b"\n", 0, e.start) + 1
+        raise _fail(name, f"not UTF-8 text ({e.reason} at byte {e.start})", line) from None
+
+
+def _parse_row(row: str, name: str, line: int) -> tuple[str, int]:
+    """(sentence stripped, label) of one `sentence<TAB>label` row."""
+    fields = row.split("\t")
+    if len(fields) != 2:
+        problem = "no tab" if len(fields) == 1 else f"{len(fields)} tab-separated fields"
+        raise _fail(name, f"{problem}, expected 'sentence<TAB>label': {row[:_SHOWN]!r}", line)
+    sentence, label = fields[0].strip(), fields[1].strip()
+    if label not in ("0", "1"):
+        raise _fail(name, f"label {label[:_SHOWN]!r}, expected 0 or 1", line)
+    if not sentence:
+        raise _fail(name, "empty sentence", line)
+    return sentence, int(label)
+
+
+def parse_sst2_tsv(content: bytes, name: str) -> SST2Table:
+    """Parse GLUE SST-2 TSV text (train or dev format); `name` is used in error messages."""
+    lines = _decode(content, name).split("\n")
+    while lines and not lines[-1].strip():
+        lines.pop()
+    if not lines:
+        raise _fail(name, "empty file (no header, no data rows)")
+    if lines[0].rstrip("\r") != HEADER:
+        raise _fail(name, f"missing header {HEADER!r}, got {lines[0][:_SHOWN]!r}", 1)
+    if len(lines) == 1:
+        raise _fail(name, "no data rows (header only)", 1)
+    rows = [_parse_row(row, name, i) for i, row in enumerate(lines[1:], start=2)]
+    return SST2Table(
+        name=name,
+        sentences=tuple(s for s, _ in rows),
+        labels=np.array([y for _, y in rows], np.int32),
+        lines=np.arange(2, len(rows) + 2, dtype=np.int64),
+    )
+
+
+def split_file(folder: str | Path, split: str) -> Path:
+    """`folder/train.tsv` or `folder/train.tsv.gz` (split "train"; "dev" likewise)."""
+    base = Path(folder) / SPLIT_FILES[split]
+    found = [p for p in (base, base.with_name(base.name + ".gz")) if p.is_file()]
+    if len(found) != 1:
+        problem = "both" if found else "neither"
+        raise _fail(str(folder), f"{problem} of {base.name} and {base.name}.gz found (need one)")
+    return found[0]
+
+
+def bundled_bytes(name: str) -> bytes:
+    """The decompressed content of a bundled file (see the provenance files in bundled/)."""
+    return gzip.decompress((resources.files("resconv_jax.data") / "bundled" / name).read_bytes())
+
+
+def bundled_tables() -> tuple[SST2Table, SST2Table]:
+    """The bundled train sample (4000 rows) and dev split (872 rows)."""
+    return tuple(
+        parse_sst2_tsv(bundled_bytes(n), f"{n} (bundled)") for n in (BUNDLED_TRAIN, BUNDLED_DEV)
+    )
+
+
+def file_tables(folder: str | Path) -> tuple[SST2Table, SST2Table]:
+    """The train and dev tables of a folder holding GLUE's `train.tsv[.gz]`, `dev.tsv[.gz]`."""
+    return tuple(parse_sst2_tsv(*read_tsv_bytes(split_file(folder, s))) for s in SPLIT_FILES)
+
+
+def _bpe_tokenizer(vocab: dict[str, int], merges: list[tuple[str, str]]) -> tokenizers.Tokenizer:
+    """GPT-2's tokenizer: byte-level BPE, no prefix space, <|endoftext|> special."""
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([tokenizers.AddedToken("<|endoftext|>", special=True)])
+    return tok
+
+
+def _parse_vocab_merges(vocab_text: bytes, merges_text: bytes, name: str):
+    """vocab (token -> id) and merges [(left, right)] from vocab.json and merges.txt bytes."""
+    try:
+        vocab = json.loads(vocab_text)
+    except ValueError as e:
+        raise _fail(f"{name}/vocab.json", f"not a JSON vocabulary ({e})") from None
+    merges = []
+    for i, row in enumerate(_decode(merges_text, f"{name}/merges.txt").split("\n"), start=1):
+        if not row or (i == 1 and row.startswith("#version")):
+            continue
+        pair = row.split(" ")
+        if len(pair) != 2:
+            raise _fail(f"{name}/merges.txt", f"expected 'left right', got {row[:_SHOWN]!r}", i)
+        merges.append((pair[0], pair[1]))
+    return vocab, merges
+
+
+@functools.lru_cache(maxsize=4)
+def gpt2_tokenizer(tokenizer_dir: str = "") -> tokenizers.Tokenizer:
+    """The GPT-2 tokenizer: bundled, or from `tokenizer_dir` (tokenizer.json, else vocab+merges)."""
+    if not tokenizer_dir:
+        vocab_merges = (bundled_bytes(BUNDLED_VOCAB), bundled_bytes(BUNDLED_MERGES))
+        return _bpe_tokenizer(*_parse_vocab_merges(*vocab_merges, "bundled GPT-2"))
+    folder = Path(tokenizer_dir)
+    if (folder / "tokenizer.json").is_file():
+        try:
+            return tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception as e:  # tokenizers raises its own Exception type
+            problem = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise _fail(str(folder / "tokenizer.json"), f"not a tokenizer ({problem})") from None
+    if not ((folder / "vocab.json").is_file() and (folder / "merges.txt").is_file()):
+        raise _fail(tokenizer_dir, "no tokenizer.json, nor vocab.json and merges.txt")
+    texts = [read_tsv_bytes(folder / n)[0] for n in ("vocab.json", "merges.txt")]
+    return _bpe_tokenizer(*_parse_vocab_merges(*texts, tokenizer_dir))
+
+
+def tokenize(tok: tokenizers.Tokenizer, sentences, max_tokens: int):
+    """Right-padded ids (N, T) int32, mask (N, T) int32 and the (N,) int64 untruncated lengths.
+
+    T = max_tokens; a sentence of more tokens keeps its first max_tokens. No special tokens added.
+    """
+    encodings = tok.encode_batch(list(sentences), add_special_tokens=False)
+    lengths = np.array([len(e.ids) for e in encodings], np.int64)
+    ids = np.full((len(encodings), max_tokens), PAD_ID, np.int32)
+    mask = np.zeros((len(encodings), max_tokens), np.int32)
+    for i, e in enumerate(encodings):
+        n = min(len(e.ids), max_tokens)
+        ids[i, :n] = e.ids[:n]
+        mask[i, :n] = 1
+    return ids, mask, lengths
+
+
+def select_train_rows(num_rows: int, num_train: int, seed: int, name: str) -> np.ndarray:
+    """(P,) row indices: the first P of a seeded permutation of the N rows (-1: all N)."""
+    if num_train > num_rows:
+        raise _fail(name, f"num_train={num_train} but the file has only {num_rows} rows")
+    perm = np.random.default_rng(seed).permutation(num_rows)
+    return perm if num_train == -1 else perm[:num_train]
+
+
+def load_tables(cfg: Any) -> tuple[SST2Table, SST2Table, str]:
+    """Train and dev rows from the configured source, and a label for the description."""
+    c = _check_config(cfg)
+    if c["source"] == "bundled":
+        train, dev = bundled_tables()
+        return train, dev, f"bundled {BUNDLED_TRAIN} + {BUNDLED_DEV}"
+    if c["source"] == "file":
+        train, dev = file_tables(c["path"])
+        return train, dev, f"file {train.name} + {dev.name}"
+    from resconv_jax.data import sst2_tfds  # tensorflow_datasets is slow to import
+
+    data_dir = c["tfds_data_dir"] or str(Path("~/.cache/resconv_jax/tfds").expanduser())
+    train, dev = sst2_tfds.load_tables(data_dir, c["path"] or None)
+    return train, dev, f"tfds sst2 in {data_dir} (from {train.name} + {dev.name})"
+
+
+def _summary(split: str, table: SST2Table, available: int, lengths: np.ndarray, t: int) -> str:
+    """'train P rows (1: a, 0: b) of N, k truncated'; lengths: (P,) untruncated token counts."""
+    ones = int(np.count_nonzero(table.labels))
+    return (
+        f"{split} {len(table)} rows (1: {ones}, 0: {len(table) - ones}) of {available}, "
+        f"{int(np.count_nonzero(lengths > t))} truncated"
+    )
+
+
+def make_splits(train: SST2Table, dev: SST2Table, cfg: Any, source: str = "") -> SST2Splits:
+    """Token arrays from raw rows (any source), as described in the module docstring."""
+    c = _check_config(cfg)
+    t = c["max_tokens"]
+    picked = train.take(select_train_rows(len(train), c["num_train"], c["seed"], train.name))
+    if c["num_val"] > len(dev):
+        raise _fail(dev.name, f"num_val={c['num_val']} but the file has only {len(dev)} rows")
+    val = dev if c["num_val"] == -1 else dev.take(np.arange(c["num_val"]))
+    tok = gpt2_tokenizer(c["tokenizer_dir"])
+    ids_train, mask_train, len_train = tokenize(tok, picked.sentences, t)
+    ids_val, mask_val, len_val = tokenize(tok, val.sentences, t)
+    tokenizer = c["tokenizer_dir"] or "bundled GPT-2 BPE"
+    description = (
+        f"SST-2 (GLUE) {source or train.name + ' + ' + dev.name}: "
+        f"{_summary('train', picked, len(train), len_train, t)} (seeded permutation, "
+        f"seed {c['seed']}); {_summary('val', val, len(dev), len_val, t)}; tokenizer {tokenizer}, "
+        f"T={t}, right-padded with {PAD_ID}"
+    )
+    return SST2Splits(
+        ids_train=ids_train,
+        mask_train=mask_train,
+        labels_train=picked.labels,
+        ids_val=ids_val,
+        mask_val=mask_val,
+        labels_val=val.labels,
+        train_lines=picked.lines,
+        val_lines=val.lines,
+        description=description,
+    )
+
+
+def load_sst2(cfg: Any) -> SST2Splits:
+    """Load SST-2 as configured (fields: see `default_sst2_config`).
+
+    Returns ids_train/mask_train (P, T) int32, labels_train (P,) int32, the same for the dev rows
+    (P_val = 872 unless num_val is set), T = max_tokens; see `SST2Splits`.
+    """
+    train, dev, source = load_tables(cfg)
+    return make_splits(train, dev, cfg, source)

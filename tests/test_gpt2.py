@@ -1,0 +1,390 @@
+"""GPT-2 against an independent NumPy implementation of Hugging Face's equations; the loader."""
+
+import json
+import time
+
+import huggingface_hub
+import huggingface_hub.constants
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import save_file
+
+from resconv_jax.models import gpt2, weights
+
+TINY = {"vocab_size": 50, "n_positions": 16, "n_embd": 16, "n_head": 2, "n_layer": 3}
+HF_CONFIG = {
+    **TINY,
+    "layer_norm_epsilon": 1e-5,
+    "model_type": "gpt2",
+    "activation_function": "gelu_new",
+    "n_inner": None,
+    "n_ctx": 16,
+}
+NUM_CLASSES = 3
+LENGTHS = (7, 4, 1)  # real tokens per sequence of the test batch, padded on the right to 7
+
+
+def tiny_tensors(seed: int = 0) -> dict[str, np.ndarray]:
+    """A random GPT-2 body in Hugging Face's layout (keys without prefix), float32.
+
+    Scales are larger than GPT-2's init (and LayerNorm scales and biases are not 1 and 0), so
+    that every term of the equations moves the outputs.
+    """
+    rng = np.random.default_rng(seed)
+    d = TINY["n_embd"]
+    shapes = {"wte.weight": (TINY["vocab_size"], d), "wpe.weight": (TINY["n_positions"], d)}
+    for i in range(TINY["n_layer"]):
+        shapes |= {
+            f"h.{i}.attn.c_attn.weight": (d, 3 * d),
+            f"h.{i}.attn.c_attn.bias": (3 * d,),
+            f"h.{i}.attn.c_proj.weight": (d, d),
+            f"h.{i}.attn.c_proj.bias": (d,),
+            f"h.{i}.mlp.c_fc.weight": (d, 4 * d),
+            f"h.{i}.mlp.c_fc.bias": (4 * d,),
+            f"h.{i}.mlp.c_proj.weight": (4 * d, d),
+            f"h.{i}.mlp.c_proj.bias": (d,),
+        }
+        shapes |= {f"h.{i}.{ln}.{p}": (d,) for ln in ("ln_1", "ln_2") for p in ("weight", "bias")}
+    shapes |= {"ln_f.weight": (d,), "ln_f.bias": (d,)}
+    tensors = {key: 0.3 * rng.standard_normal(shape) for key, shape in shapes.items()}
+    for key in tensors:
+        if key.split(".")[-2].startswith("ln_") and key.endswith(".weight"):
+            tensors[key] = 1.0 + tensors[key]
+    return {key: value.astype(np.float32) for key, value in tensors.items()}
+
+
+def save_checkpoint(folder, tensors: dict, *, prefix: str = "transformer.", config=None):
+    """Writes `config.json` and `model.safetensors` in Hugging Face's layout, with the causal
+    mask buffers `h.{i}.attn.bias` (1, 1, n_positions, n_positions) and an `lm_head.weight`
+    (vocab, d) that the loader must skip. Returns the folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    n = TINY["n_positions"]
+    mask = np.tril(np.ones((n, n), np.float32))[None, None]
+    file = {prefix + key: value for key, value in tensors.items()}
+    file |= {f"{prefix}h.{i}.attn.bias": mask for i in range(TINY["n_layer"])}
+    file["lm_head.weight"] = tensors["wte.weight"].copy()
+    save_file(file, str(folder / weights.WEIGHTS_FILE))
+    (folder / weights.CONFIG_FILE).write_text(json.dumps(config or HF_CONFIG))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tensors():
+    return tiny_tensors()
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, tensors):
+    """{prefix: checkpoint folder} with and without the `transformer.` prefix."""
+    root = tmp_path_factory.mktemp("gpt2")
+    prefixes = ("transformer.", "")
+    return {p: save_checkpoint(root / (p or "bare"), tensors, prefix=p) for p in prefixes}
+
+
+def batch(lengths=LENGTHS, seed: int = 1) -> dict[str, np.ndarray]:
+    """{"ids": (P, T) int32, "mask": (P, T) float32}; padding ids are random tokens too."""
+    rng = np.random.default_rng(seed)
+    length = max(lengths)
+    ids = rng.integers(0, TINY["vocab_size"], (len(lengths), length)).astype(np.int32)
+    mask = (np.arange(length)[None] < np.asarray(lengths)[:, None]).astype(np.float32)
+    return {"ids": ids, "mask": mask}
+
+
+def layernorm(x, weight, bias, eps=1e-5):
+    """torch.nn.LayerNorm over the last axis (biased variance)."""
+    centered = x - x.mean(-1, keepdims=True)
+    return centered / np.sqrt((centered**2).mean(-1, keepdims=True) + eps) * weight + bias
+
+
+def gelu_new(x):
+    """Hugging Face's `gelu_new`, written out."""
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))
+
+
+def attention(w: dict, prefix: str, x, allowed, n_head: int):
+    """HF GPT2Attention on one sequence: x (T, d), allowed (T, T) -> (T, d), head by head."""
+    d = x.shape[1]
+    head_dim = d // n_head
+    qkv = x @ w[prefix + "c_attn.weight"] + w[prefix + "c_attn.bias"]
+    q, k, v = qkv[:, :d], qkv[:, d : 2 * d], qkv[:, 2 * d :]
+    out = np.empty_like(x)
+    for head in range(n_head):
+        cols = slice(head * head_dim, (head + 1) * head_dim)
+        scores = np.where(allowed, q[:, cols] @ k[:, cols].T / np.sqrt(head_dim), -np.inf)
+        probs = np.exp(scores - scores.max(1, keepdims=True))
+        out[:, cols] = probs / probs.sum(1, keepdims=True) @ v[:, cols]
+    return out @ w[prefix + "c_proj.weight"] + w[prefix + "c_proj.bias"]
+
+
+def numpy_block(w: dict, i: int, h, allowed, beta_a: float, beta_f: float):
+    """Block i of HF GPT-2 with scaled residuals on one sequence: h (T, d) -> (h, attn, z)."""
+
+    def ln(x, name):
+        return layernorm(x, w[f"h.{i}.{name}.weight"], w[f"h.{i}.{name}.bias"])
+
+    def conv1d(x, name):
+        return x @ w[f"h.{i}.{name}.weight"] + w[f"h.{i}.{name}.bias"]
+
+    attn = attention(w, f"h.{i}.attn.", ln(h, "ln_1"), allowed, TINY["n_head"])
+    z = beta_a * h + attn
+    h = beta_f * z + conv1d(gelu_new(conv1d(ln(z, "ln_2"), "mlp.c_fc")), "mlp.c_proj")
+    return h, attn, z
+
+
+def numpy_gpt2(tensors, head, inputs, num_layers, beta_a, beta_f):
+    """Logits (P, C) and per-layer attn, z (L, P, T, d) in float64, one sequence at a time,
+    with the causal mask ∧ the key mask of real tokens, pooled at the last real token."""
+    w = {key: np.asarray(value, np.float64) for key, value in tensors.items()}
+    logits, attns, zs = [], [], []
+    for ids, mask in zip(inputs["ids"], inputs["mask"], strict=True):
+        length = len(ids)
+        h = w["wte.weight"][ids] + w["wpe.weight"][:length]
+        allowed = np.tril(np.ones((length, length), bool)) & mask.astype(bool)[None, :]
+        layers = []
+        for i in range(num_layers):
+            h, attn, z = numpy_block(w, i, h, allowed, beta_a, beta_f)
+            layers.append((attn, z))
+        attns.append([attn for attn, _ in layers])
+        zs.append([z for _, z in layers])
+        last = int(mask.sum()) - 1
+        logits.append(layernorm(h, w["ln_f.weight"], w["ln_f.bias"])[last] @ head)
+    return np.stack(logits), np.swapaxes(attns, 0, 1), np.swapaxes(zs, 0, 1)
+
+
+def load(folder, num_layers=3, seed=0):
+    return weights.load_gpt2(str(folder), num_layers=num_layers, num_classes=NUM_CLASSES, seed=seed)
+
+
+@pytest.mark.parametrize("prefix", ["transformer.", ""])
+@pytest.mark.parametrize("num_layers", [1, 2, 3])
+@pytest.mark.parametrize("betas", [(0.0, 0.0), (1.0, 1.0), (0.5, 0.25)])
+def test_forward_matches_numpy(folders, tensors, prefix, num_layers, betas):
+    _, graphdef, params = load(folders[prefix], num_layers)
+    inputs = batch()
+    logits, inter = gpt2.apply(graphdef, params, inputs, *betas, return_intermediates=True)
+    head = np.asarray(params["head"]["weight"])
+    expected = numpy_gpt2(tensors, head, inputs, num_layers, *betas)
+    for got, want in zip((logits, inter["attn"], inter["z"]), expected, strict=True):
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_float64_matches_numpy_to_float64_precision(folders, tensors):
+    with jax.enable_x64(True):
+        source = str(folders[""])
+        _, graphdef, params = weights.load_gpt2(
+            source, num_layers=3, num_classes=NUM_CLASSES, seed=0, dtype="float64"
+        )
+        assert params["h"][2]["mlp"]["c_fc"]["weight"].dtype == np.float64
+        logits = gpt2.apply(graphdef, params, batch(), 0.5, 0.25)
+        head = np.asarray(params["head"]["weight"])
+        expected = numpy_gpt2(tensors, head, batch(), 3, 0.5, 0.25)[0]
+        np.testing.assert_allclose(np.asarray(logits), expected, rtol=1e-11)
+
+
+def test_betas_as_arrays_under_jit_and_vmap(folders):
+    _, graphdef, params = load(folders[""])
+    inputs = batch()
+    betas = np.array([0.0, 0.5, 1.0], np.float32)
+    run = jax.jit(jax.vmap(lambda b_a, b_f: gpt2.apply(graphdef, params, inputs, b_a, b_f)))
+    swept = run(betas, betas[::-1])
+    for i, (b_a, b_f) in enumerate(zip(betas, betas[::-1], strict=True)):
+        np.testing.assert_allclose(
+            swept[i], gpt2.apply(graphdef, params, inputs, float(b_a), float(b_f)), rtol=1e-5
+        )
+
+
+def test_body_is_copied_and_head_is_fresh_from_seed(folders, tensors):
+    cfg, _, params = load(folders[""], num_layers=2, seed=4)
+    np.testing.assert_array_equal(
+        params["h"][1]["attn"]["c_attn"]["weight"], tensors["h.1.attn.c_attn.weight"]
+    )
+    assert sorted(params["h"]) == [0, 1]
+    _, random_params = gpt2.init_params(cfg, seed=4)
+    np.testing.assert_array_equal(params["head"]["weight"], random_params["head"]["weight"])
+    other = load(folders[""], num_layers=2, seed=5)[2]
+    assert not np.allclose(other["head"]["weight"], params["head"]["weight"])
+
+
+def test_right_padding_leaves_real_tokens_unchanged(folders):
+    _, graphdef, params = load(folders["transformer."])
+    padded = batch(lengths=(8, 5), seed=2)
+    alone = {key: value[1:, :5] for key, value in padded.items()}
+    logits_p, inter_p = gpt2.apply(graphdef, params, padded, 0.5, 1.0, return_intermediates=True)
+    logits_a, inter_a = gpt2.apply(graphdef, params, alone, 0.5, 1.0, return_intermediates=True)
+    np.testing.assert_allclose(logits_p[1], logits_a[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(inter_p["z"][:, 1, :5], inter_a["z"][:, 0], rtol=1e-5, atol=1e-6)
+    assert not np.allclose(logits_p[0], logits_p[1])  # the pooled token is the last real one
+
+
+def test_intermediates_are_attn_and_z_of_each_block(folders):
+    _, graphdef, params = load(folders[""])
+    inputs = batch()
+    beta_a, beta_f = 0.5, 0.75
+    logits, inter = gpt2.apply(graphdef, params, inputs, beta_a, beta_f, return_intermediates=True)
+    assert inter["attn"].shape == inter["z"].shape == (3, 3, 7, TINY["n_embd"])
+    np.testing.assert_array_equal(inter["row_mask"], inputs["mask"])
+    np.testing.assert_array_equal(logits, gpt2.apply(graphdef, params, inputs, beta_a, beta_f))
+    model = nnx.merge(graphdef, params)
+    h = model.wte.weight[...][inputs["ids"]] + model.wpe.weight[...][:7]
+    for i, block in enumerate(model.h):
+        np.testing.assert_allclose(inter["z"][i] - inter["attn"][i], beta_a * h, atol=2e-6)
+        h = beta_f * inter["z"][i] + block.mlp(block.ln_2(inter["z"][i]))
+
+
+def test_checkpoint_errors_name_every_bad_key(tmp_path, tensors):
+    bad = dict(tensors)
+    bad["h.1.attn.c_attn.weight"] = bad["h.1.attn.c_attn.weight"].T.copy()  # the transpose bug
+    del bad["h.2.ln_2.bias"]
+    bad["h.0.attn.c_q.weight"] = np.zeros((16, 16), np.float32)
+    bad["h.7.ln_1.weight"] = np.ones(16, np.float32)  # a block beyond n_layer
+    with pytest.raises(weights.WeightsError) as error:
+        load(save_checkpoint(tmp_path, bad))
+    message = str(error.value)
+    assert "\n" not in message
+    assert "missing: h.2.ln_2.bias" in message
+    assert "transformer.h.0.attn.c_q.weight" in message
+    assert "transformer.h.7.ln_1.weight" in message
+    assert "transformer.h.1.attn.c_attn.weight (48, 16) (model (16, 48))" in message
+
+
+def test_blocks_beyond_the_truncation_are_not_read(tmp_path, tensors):
+    bad = dict(tensors)
+    bad["h.2.mlp.c_fc.weight"] = np.zeros((3, 3), np.float32)
+    load(save_checkpoint(tmp_path, bad), num_layers=2)
+    with pytest.raises(weights.WeightsError, match=r"wrong shape: transformer\.h\.2\.mlp\.c_fc"):
+        load(tmp_path, num_layers=3)
+
+
+def one_line_error(error_type, match: str, function, *args, **kwargs) -> None:
+    """Asserts that function(*args, **kwargs) raises `error_type` with a one-line message."""
+    with pytest.raises(error_type, match=match) as error:
+        function(*args, **kwargs)
+    assert "\n" not in str(error.value)
+
+
+def test_depth_and_length_errors_are_one_line(folders):
+    folder = folders[""]
+    one_line_error(ValueError, "num_layers=4 .* n_layer=3", load, folder, num_layers=4)
+    one_line_error(ValueError, "num_layers=0", load, folder, num_layers=0)
+    _, graphdef, params = load(folder)
+    too_long = batch(lengths=(17,))
+    match = "length 17 exceeds GPT-2's n_positions=16"
+    one_line_error(ValueError, match, gpt2.apply, graphdef, params, too_long, 1.0, 1.0)
+
+
+def test_shape_errors_are_one_line(folders):
+    def load_with(source, shape):
+        return weights.load_gpt2(source, num_layers=1, num_classes=2, seed=0, shape=shape)
+
+    match = r"n_embd=32 \(checkpoint 16\)"
+    one_line_error(weights.WeightsError, match, load_with, str(folders[""]), {"n_embd": 32})
+    typo = "unknown GPT-2 shape entries"
+    one_line_error(weights.WeightsError, typo, load_with, "random", {"n_embed": 32})
+
+
+def test_unsupported_config_and_unreadable_file_are_one_line_errors(tmp_path, tensors):
+    relu = save_checkpoint(
+        tmp_path / "relu", tensors, config={**HF_CONFIG, "activation_function": "relu"}
+    )
+    one_line_error(weights.WeightsError, "activation_function='relu'", load, relu)
+    broken = save_checkpoint(tmp_path / "broken", tensors)
+    (broken / weights.WEIGHTS_FILE).write_bytes(b"not a safetensors file")
+    one_line_error(weights.WeightsError, "cannot read GPT-2 weights", load, broken)
+    one_line_error(weights.WeightsError, "no such folder", load, tmp_path / "absent")
+
+
+@pytest.fixture
+def empty_hub_cache(tmp_path, monkeypatch):
+    """An empty Hugging Face cache; huggingface_hub reads its settings at import, so the module
+    constants are patched as well as the environment."""
+    cache = tmp_path / "hf" / "hub"
+    cache.mkdir(parents=True)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    return cache
+
+
+def offline(monkeypatch, on: bool) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1" if on else "0")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", on)
+
+
+def hub_error_in_seconds(repo_id: str) -> str:
+    """The one-line WeightsError message of loading `repo_id`, which must come within 10 s."""
+    start = time.monotonic()
+    with pytest.raises(weights.WeightsError) as error:
+        weights.load_gpt2(repo_id, num_layers=1, num_classes=2, seed=0)
+    assert time.monotonic() - start < 10
+    message = str(error.value)
+    assert "\n" not in message and weights.FOLDER_OPTION in message
+    return message
+
+
+def test_hub_id_offline_with_empty_cache_fails_at_once(empty_hub_cache, monkeypatch):
+    offline(monkeypatch, True)
+    message = hub_error_in_seconds("openai-community/gpt2")
+    assert "could not be found offline" in message and str(empty_hub_cache) in message
+
+
+def test_hub_id_without_network_fails_at_once(empty_hub_cache, monkeypatch):
+    offline(monkeypatch, False)
+    unreachable = "http://127.0.0.1:9"  # nothing listens on the discard port: refused at once
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", unreachable)
+    template = unreachable + "/{repo_id}/resolve/{revision}/{filename}"
+    monkeypatch.setattr(huggingface_hub.constants, "HUGGINGFACE_CO_URL_TEMPLATE", template)
+    message = hub_error_in_seconds("openai-community/gpt2")
+    assert "could not be found offline" in message and "unreachable" in message
+
+
+def test_hub_id_is_read_from_the_cache_offline(empty_hub_cache, monkeypatch, folders):
+    offline(monkeypatch, True)
+    repo = empty_hub_cache / "models--test-org--tiny-gpt2"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    save_checkpoint(repo / "snapshots" / commit, tiny_tensors(), prefix="")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    _, _, from_hub = weights.load_gpt2("test-org/tiny-gpt2", num_layers=2, num_classes=3, seed=0)
+    _, _, from_folder = load(folders[""], num_layers=2)
+    jax.tree.map(np.testing.assert_array_equal, from_hub["h"], from_folder["h"])
+
+
+def test_random_is_gpt2_small_by_default():
+    cfg, _, params = weights.load_gpt2("random", num_layers=1, num_classes=2, seed=0)
+    sizes = {name: getattr(cfg, name) for name in weights.GPT2_SMALL}
+    assert sizes == {
+        "vocab_size": 50257,
+        "n_positions": 1024,
+        "n_embd": 768,
+        "n_head": 12,
+        "n_layer": 12,
+    }
+    assert params["wte"]["weight"].shape == (50257, 768)
+    assert params["wpe"]["weight"].shape == (1024, 768)
+    assert params["h"][0]["attn"]["c_attn"]["weight"].shape == (768, 2304)
+    assert params["h"][0]["mlp"]["c_proj"]["weight"].shape == (3072, 768)
+    assert params["head"]["weight"].shape == (768, 2)
+    assert list(params["h"]) == [0]
+
+
+def test_random_init_statistics():
+    shape = {"vocab_size": 500, "n_positions": 64, "n_embd": 64, "n_head": 4, "n_layer": 8}
+    _, _, params = weights.load_gpt2("random", num_layers=2, num_classes=3, seed=0, shape=shape)
+    block = params["h"][1]
+    for weight, std in [
+        (params["wte"]["weight"], 0.02),
+        (params["wpe"]["weight"], 0.02),
+        (block["attn"]["c_attn"]["weight"], 0.02),
+        (block["mlp"]["c_fc"]["weight"], 0.02),
+        (block["attn"]["c_proj"]["weight"], 0.02 / 4),  # 0.02 / sqrt(2 n_layer)
+        (block["mlp"]["c_proj"]["weight"], 0.02 / 4),
+    ]:
+        assert np.std(weight) == pytest.approx(std, rel=0.05)
+        assert abs(np.mean(weight)) < 0.1 * std
+    np.testing.assert_array_equal(block["attn"]["c_attn"]["bias"], 0)
+    np.testing.assert_array_equal(block["ln_1"]["weight"], 1)
+    np.testing.assert_array_equal(params["ln_f"]["bias"], 0)
+    _, _, again = weights.load_gpt2("random", num_layers=2, num_classes=3, seed=0, shape=shape)
+    np.testing.assert_array_equal(again["wte"]["weight"], params["wte"]["weight"])

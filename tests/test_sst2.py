@@ -1,0 +1,295 @@
+"""SST-2 loader: GPT-2 ids, bundled sample, row choice, padding, sources and bad-data errors."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from resconv_jax.data import sst2
+from resconv_jax.data.sst2 import (
+    BUNDLED_DEV,
+    BUNDLED_SHA256,
+    BUNDLED_TRAIN,
+    PAD_ID,
+    SST2DataError,
+    bundled_bytes,
+    bundled_tables,
+    default_sst2_config,
+    gpt2_tokenizer,
+    load_sst2,
+    parse_sst2_tsv,
+    select_train_rows,
+)
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+SHARED_GLUE = SHARED / "sst2" / "glue"
+needs_shared = pytest.mark.skipif(not SHARED_GLUE.is_dir(), reason="no shared/data/sst2 copy")
+
+# Ids looked up by hand in GPT-2's vocab.json: hello 31373, Ġworld 995, Ġhello 23748, it 270,
+# Ġ' 705, s 82, Ġa 257, Ġcharming 23332, Ġand 290, Ġoften 1690, Ġaffecting 13891, Ġjourney 7002,
+# Ġ. 764, The 464, Ġmovie 3807, Ġ... 2644, c 66, af 1878, Ã© 2634 (é's bytes), a 64, Ġ 220, Ġb 275.
+REFERENCE_IDS = [
+    ("hello world", [31373, 995]),
+    (" hello", [23748]),
+    (
+        "it 's a charming and often affecting journey .",
+        [270, 705, 82, 257, 23332, 290, 1690, 13891, 7002, 764],
+    ),
+    ("The movie ...", [464, 3807, 2644]),
+    ("café", [66, 1878, 2634]),
+    ("a  b", [64, 220, 275]),  # GPT-2's regex: the space before the last one goes alone
+]
+
+
+def tsv(rows, header: str = "sentence\tlabel") -> bytes:
+    """GLUE-style TSV bytes (trailing space before the tab, as in GLUE) for (sentence, label)."""
+    return "".join(f"{line}\n" for line in [header, *(f"{s} \t{y}" for s, y in rows)]).encode()
+
+
+def write_folder(folder: Path, train: bytes, dev: bytes, gz=(False, True)) -> Path:
+    """folder/train.tsv[.gz] and folder/dev.tsv[.gz]; gz[i] says which are gzipped."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, content, zipped in (("train.tsv", train, gz[0]), ("dev.tsv", dev, gz[1])):
+        path = folder / (name + ".gz" if zipped else name)
+        path.write_bytes(gzip.compress(content) if zipped else content)
+    return folder
+
+
+def cfg_for(**overrides):
+    cfg = default_sst2_config()
+    cfg.update(overrides)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    return bundled_tables()
+
+
+@pytest.fixture
+def small_folder(tmp_path: Path) -> Path:
+    """The bundled sample's first 300 train rows and first 100 dev rows, as GLUE files."""
+    train = b"".join(bundled_bytes(BUNDLED_TRAIN).splitlines(keepends=True)[:301])
+    dev = b"".join(bundled_bytes(BUNDLED_DEV).splitlines(keepends=True)[:101])
+    return write_folder(tmp_path / "glue", train, dev)
+
+
+@pytest.mark.parametrize(("text", "expected"), REFERENCE_IDS)
+def test_bundled_tokenizer_gives_gpt2_ids(text, expected):
+    tok = gpt2_tokenizer()
+    assert tok.encode(text, add_special_tokens=False).ids == expected
+    assert tok.decode(expected) == text
+    assert tok.get_vocab_size() == 50257 and tok.token_to_id("<|endoftext|>") == PAD_ID
+
+
+def test_tokenizer_dir_takes_precedence(tmp_path: Path):
+    vocab = json.loads(bundled_bytes(sst2.BUNDLED_VOCAB))
+    vocab["hello"], vocab["Ġworld"] = 995, 31373  # a swapped vocabulary, to tell them apart
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
+    (tmp_path / "merges.txt").write_bytes(bundled_bytes(sst2.BUNDLED_MERGES))
+    swapped = gpt2_tokenizer(str(tmp_path))
+    assert swapped.encode("hello world").ids == [995, 31373]
+    saved = tmp_path / "json_dir"
+    saved.mkdir()
+    swapped.save(str(saved / "tokenizer.json"))
+    (saved / "vocab.json").write_text("{}")  # tokenizer.json wins over vocab/merges
+    assert gpt2_tokenizer(str(saved)).encode("hello world").ids == [995, 31373]
+    bundled_ids = load_sst2(cfg_for(num_train=8)).ids_train
+    via_dir = load_sst2(cfg_for(num_train=8, tokenizer_dir=str(tmp_path))).ids_train
+    hello_world = (bundled_ids == 995) | (bundled_ids == 31373)
+    assert np.array_equal(bundled_ids[~hello_world], via_dir[~hello_world])
+    with pytest.raises(SST2DataError, match="no tokenizer.json, nor vocab.json"):
+        gpt2_tokenizer(str(tmp_path / "nowhere"))
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "tokenizer.json").write_text("{not json")
+    with pytest.raises(SST2DataError, match=r"tokenizer.json: not a tokenizer") as err:
+        gpt2_tokenizer(str(tmp_path / "bad"))
+    assert "\n" not in str(err.value)
+
+
+def test_bundled_sample_parses(bundled):
+    train, dev = bundled
+    assert len(train) == 4000 and len(dev) == 872
+    assert np.bincount(train.labels).tolist() == [1807, 2193]
+    assert np.bincount(dev.labels).tolist() == [428, 444]
+    assert train.sentences[0] == "hide new secretions from the parental units"  # stripped
+    assert dev.sentences[0] == "it 's a charming and often affecting journey ."
+    assert train.lines.tolist()[:3] == [2, 3, 4] and dev.lines[-1] == 873
+
+
+def test_bundled_files_match_their_provenance():
+    folder = resources.files("resconv_jax.data") / "bundled"
+    notes = (folder / "SST2_PROVENANCE.md").read_text() + (
+        folder / "GPT2_TOKENIZER_PROVENANCE.md"
+    ).read_text()
+    for name, sha in BUNDLED_SHA256.items():
+        assert hashlib.sha256(bundled_bytes(name)).hexdigest() == sha, name
+        assert sha in notes and name in notes, name
+        stored = hashlib.sha256((folder / name).read_bytes()).hexdigest()
+        assert stored in notes, name
+
+
+@needs_shared
+def test_bundled_rows_are_the_shared_glue_rows():
+    train = gzip.decompress((SHARED_GLUE / "train.tsv.gz").read_bytes())
+    dev = gzip.decompress((SHARED_GLUE / "dev.tsv.gz").read_bytes())
+    notes = (resources.files("resconv_jax.data") / "bundled" / "SST2_PROVENANCE.md").read_text()
+    assert hashlib.sha256(train).hexdigest() in notes  # the source file's sha256 is stated
+    assert bundled_bytes(BUNDLED_TRAIN) == b"".join(train.splitlines(keepends=True)[:4001])
+    assert bundled_bytes(BUNDLED_DEV) == dev
+    for name in ("vocab.json", "merges.txt"):
+        assert bundled_bytes(f"gpt2_{name}.gz") == (SHARED / "gpt2_tokenizer" / name).read_bytes()
+
+
+@needs_shared
+def test_full_glue_folder():
+    s = load_sst2(cfg_for(source="file", path=str(SHARED_GLUE), num_train=-1, max_tokens=64))
+    assert s.ids_train.shape == (67349, 64) and s.ids_val.shape == (872, 64)
+    assert np.bincount(s.labels_train).tolist() == [29780, 37569]
+    assert "67349 rows (1: 37569, 0: 29780) of 67349" in s.description
+
+
+def test_seeded_choice_is_deterministic_and_differs_across_seeds(bundled):
+    a, b = select_train_rows(4000, 200, 3, "x"), select_train_rows(4000, 200, 3, "x")
+    assert np.array_equal(a, b) and len(set(a.tolist())) == 200
+    assert np.array_equal(select_train_rows(4000, 100, 3, "x"), a[:100])  # nested in P
+    assert not np.array_equal(select_train_rows(4000, 200, 4, "x"), a)
+    assert np.array_equal(a, np.random.default_rng(3).permutation(4000)[:200])
+    s = load_sst2(cfg_for(num_train=200, seed=3))
+    assert np.array_equal(s.train_lines, bundled[0].lines[a])
+    assert np.array_equal(s.labels_train, bundled[0].labels[a])
+    assert not np.array_equal(load_sst2(cfg_for(num_train=200, seed=4)).ids_train, s.ids_train)
+
+
+def test_padding_mask_shapes_and_token_counts(bundled):
+    s = load_sst2(cfg_for(num_train=64, max_tokens=40))
+    assert s.ids_train.shape == s.mask_train.shape == (64, 40) and s.labels_train.shape == (64,)
+    assert s.ids_val.shape == s.mask_val.shape == (872, 40) and s.labels_val.shape == (872,)
+    assert {s.ids_train.dtype, s.mask_train.dtype, s.labels_train.dtype} == {np.dtype(np.int32)}
+    tok = gpt2_tokenizer()
+    sentences = bundled[0].take(select_train_rows(4000, 64, 0, "x")).sentences
+    counts = [min(len(tok.encode(t).ids), 40) for t in sentences]
+    assert s.mask_train.sum(axis=1).tolist() == counts
+    assert np.all(np.diff(s.mask_train, axis=1) <= 0)  # real tokens first, then padding
+    assert np.all(s.ids_train[s.mask_train == 0] == PAD_ID)
+    assert s.ids_train[0, : counts[0]].tolist() == tok.encode(sentences[0]).ids[:40]
+    assert s.mask_val.sum() == sum(min(len(tok.encode(t).ids), 40) for t in bundled[1].sentences)
+
+
+def test_truncation_at_max_tokens(bundled):
+    tok = gpt2_tokenizer()
+    s = load_sst2(cfg_for(num_train=-1, max_tokens=5))
+    full = [tok.encode(t).ids for t in bundled[1].sentences]
+    assert s.ids_val.shape == (872, 5)
+    for row, ids in zip(s.ids_val, full, strict=True):
+        assert row[: min(len(ids), 5)].tolist() == ids[:5]
+    val_truncated = sum(len(ids) > 5 for ids in full)
+    assert val_truncated > 0 and f"of 872, {val_truncated} truncated" in s.description
+    assert "train 4000 rows (1: 2193, 0: 1807) of 4000" in s.description
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        (b"", "empty file"),
+        (b"\n\n", "empty file"),
+        (tsv([("good", 1)], header="index\tsentence"), "line 1: missing header"),
+        (b"sentence\tlabel\n", "line 1: no data rows"),
+        (tsv([("good", 1)]) + b"no tab here\n", "line 3: no tab"),
+        (tsv([("good", 1)]) + b"a\tb\t1\n", "line 3: 3 tab-separated fields"),
+        (tsv([("good", 1), ("bad", 2)]), "line 3: label '2', expected 0 or 1"),
+        (tsv([("good", 1), ("bad", "")]), "line 3: label '', expected 0 or 1"),
+        (tsv([("good", 1), ("  ", 0)]), "line 3: empty sentence"),
+        (tsv([("good", 1)]) + b"caf\xe9 \t1\n", "line 3: not UTF-8"),
+    ],
+    ids=["empty", "blank", "header", "header-only", "no-tab", "fields", "label", "no-label",
+         "no-sentence", "utf8"],
+)  # fmt: skip
+def test_bad_tsv_gives_one_line_error(tmp_path: Path, content: bytes, match: str):
+    folder = write_folder(tmp_path / "glue", content, tsv([("fine", 0)]), gz=(True, False))
+    with pytest.raises(SST2DataError, match=match) as err:
+        load_sst2(cfg_for(source="file", path=str(folder), num_train=1))
+    assert str(err.value).startswith(f"{folder / 'train.tsv.gz'}: ") and "\n" not in str(err.value)
+    with pytest.raises(SST2DataError, match=match):
+        parse_sst2_tsv(content, "x.tsv")
+
+
+def test_file_source_reads_plain_and_gzip(tmp_path: Path, small_folder: Path):
+    s = load_sst2(cfg_for(source="file", path=str(small_folder), num_train=50))
+    assert s.ids_train.shape == (50, 64) and s.ids_val.shape == (100, 64)
+    swapped = write_folder(
+        tmp_path / "swapped",
+        gzip.decompress((small_folder / "dev.tsv.gz").read_bytes()),
+        (small_folder / "train.tsv").read_bytes(),
+        gz=(True, False),
+    )  # train and dev swapped: the arrays must change
+    t = load_sst2(cfg_for(source="file", path=str(swapped), num_train=50))
+    assert t.ids_val.shape == (300, 64) and not np.array_equal(t.ids_train, s.ids_train)
+    (small_folder / "train.tsv.gz").write_bytes(b"")
+    with pytest.raises(SST2DataError, match="both of train.tsv and train.tsv.gz"):
+        load_sst2(cfg_for(source="file", path=str(small_folder)))
+    with pytest.raises(SST2DataError, match="neither of train.tsv and train.tsv.gz"):
+        load_sst2(cfg_for(source="file", path=str(tmp_path / "missing")))
+    (swapped / "train.tsv.gz").write_bytes(b"\x1f\x8b not gzip")
+    with pytest.raises(SST2DataError, match=r"train.tsv.gz: corrupt gzip"):
+        load_sst2(cfg_for(source="file", path=str(swapped)))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"num_train": 301}, r"train.tsv: num_train=301 but the file has only 300 rows"),
+        ({"num_val": 101}, r"dev.tsv.gz: num_val=101 but the file has only 100 rows"),
+        ({"num_train": 0}, "num_train must be -1"),
+        ({"max_tokens": 0}, "max_tokens must be an integer >= 1"),
+        ({"seed": -1}, "seed must be an integer >= 0"),
+        ({"source": "web"}, "unknown source 'web'"),
+        ({"path": ""}, "source='file' needs path"),
+    ],
+)
+def test_bad_config_gives_one_line_error(small_folder: Path, overrides, match):
+    cfg = cfg_for(source="file", path=str(small_folder))
+    cfg.update(overrides)
+    with pytest.raises(SST2DataError, match=match) as err:
+        load_sst2(cfg)
+    assert "\n" not in str(err.value)
+
+
+def test_num_val_takes_the_first_dev_rows(bundled):
+    s = load_sst2(cfg_for(num_train=4, num_val=10))
+    assert s.val_lines.tolist() == list(range(2, 12))
+    assert np.array_equal(s.labels_val, bundled[1].labels[:10])
+
+
+def test_tfds_builder_gives_the_same_arrays(tmp_path: Path, small_folder: Path):
+    from resconv_jax.data import sst2_tfds
+
+    data_dir = tmp_path / "tfds"
+    cfg = cfg_for(source="file", path=str(small_folder), num_train=120, seed=5, max_tokens=16)
+    via_tsv = load_sst2(cfg)
+    via_tfds = load_sst2(cfg_for(**{**cfg, "source": "tfds", "tfds_data_dir": str(data_dir)}))
+    for k in ("ids_train", "mask_train", "labels_train", "ids_val", "mask_val", "labels_val"):
+        assert np.array_equal(getattr(via_tfds, k), getattr(via_tsv, k)), k
+    assert np.array_equal(via_tfds.train_lines, via_tsv.train_lines)
+    assert "tfds sst2" in via_tfds.description
+    assert (data_dir / "sst2" / "1.0.0").is_dir()
+    train, dev, meta = sst2_tfds.read_tables(data_dir)
+    assert len(train) == 300 and len(dev) == 100 and meta["train_name"].endswith("train.tsv")
+    with pytest.raises(SST2DataError, match="was prepared from"):
+        sst2_tfds.load_tables(data_dir)  # the bundled sample is other data
+
+
+def test_tfds_bad_data_writes_nothing(tmp_path: Path):
+    from resconv_jax.data import sst2_tfds
+
+    folder = write_folder(tmp_path / "glue", tsv([("ok", 1)]) + b"x\t7\n", tsv([("ok", 0)]))
+    data_dir = tmp_path / "tfds"
+    with pytest.raises(SST2DataError, match="line 3: label '7'"):
+        sst2_tfds.prepare(data_dir, folder)
+    assert not data_dir.exists()

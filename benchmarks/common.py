@@ -140,7 +140,8 @@ def build_runs(
     b = jnp.asarray(betas, jnp.float32)
     hp = {"beta_attn": b, "beta_ffn": b}
     x, y = make_data(size) if data is None else data
-    fns = make_step_functions(graphdef, optimizer, "sum", steps_per_call, **(step_kwargs or {}))
+    model = transformer.make_model(cfg)
+    fns = make_step_functions(model, optimizer, "sum", steps_per_call, **(step_kwargs or {}))
     return Runs(fns, state, hp, jnp.asarray(x), jnp.asarray(y), graphdef, params0)
 
 

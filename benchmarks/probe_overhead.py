@@ -101,7 +101,8 @@ class Problem:
         put_data = functools.partial(sharding.put, sharding=sharding.data_sharding(self.mesh))
         x, y = common.make_data(size)
         self.x, self.y = put_data(x), put_data(y)
-        self.graphdef, params0 = transformer.init_params(common.model_config(size), 0)
+        self.model = transformer.make_model(common.model_config(size))
+        _, params0 = transformer.init_params(common.model_config(size), 0)
         self.optimizer = common.optimizer_for(size)
         params = jax.tree.map(lambda a: jnp.stack([a] * len(betas)), params0)
         lrs = jnp.full((len(betas),), size.lr, jnp.float32)
@@ -121,7 +122,7 @@ class Problem:
 
     def fns(self, probe_kind: str | None, steps_per_call: int = 1):
         return make_step_functions(
-            self.graphdef, self.optimizer, "sum", steps_per_call, probe=self.probe_fn(probe_kind)
+            self.model, self.optimizer, "sum", steps_per_call, probe=self.probe_fn(probe_kind)
         )
 
     def fresh_state(self):

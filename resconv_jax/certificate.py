@@ -11,15 +11,15 @@ import numpy as np
 from resconv_jax import theory
 
 
-def loss_scale(config, y: np.ndarray) -> float:
-    """d loss / d(½‖F − Y‖²): 1 for the sum reduction, 1/N for the mean over N entries."""
-    return 1.0 if config.optim.reduction == "sum" else 1.0 / y.size
+def loss_scale(config, num_outputs: int) -> float:
+    """d loss / d(½‖F − Y‖²): 1 for the sum reduction, 1/N for the mean over the N outputs."""
+    return 1.0 if config.optim.reduction == "sum" else 1.0 / num_outputs
 
 
-def jacobian_fits(config, y: np.ndarray, params: dict) -> bool:
-    """Whether J (y.size outputs × the parameters of one run) fits theory.max_jacobian_entries."""
+def jacobian_fits(config, num_outputs: int, params: dict) -> bool:
+    """Whether J (outputs × the parameters of one run) fits theory.max_jacobian_entries."""
     num_params = sum(np.size(leaf) for leaf in jax.tree.leaves(params))
-    return y.size * num_params <= config.theory.max_jacobian_entries
+    return num_outputs * num_params <= config.theory.max_jacobian_entries
 
 
 @dataclasses.dataclass

@@ -18,9 +18,16 @@ def base_config() -> ml_collections.ConfigDict:
     c.seed = 0  # parameter-initialization seed (per run: see sweep.seed)
 
     c.model = ml_collections.ConfigDict()
+    c.model.name = "transformer"  # "transformer" (the paper's) or "gpt2" (Hugging Face's GPT-2)
+    # gpt2: a Hugging Face model folder (config.json + model.safetensors), a hub id such as
+    # "openai-community/gpt2" (its local cache first), or "random" (gpt2_shape below).
+    c.model.weights = "random"
+    c.model.gpt2_shape = ml_collections.ConfigDict(  # GPT-2 small; for weights="random" only
+        {"n_embd": 768, "n_head": 12, "n_layer": 12, "n_positions": 1024, "vocab_size": 50257}
+    )
     c.model.d_qk = 8  # query/key width d_QK
     c.model.d_h = 32  # MLP hidden width d_h
-    c.model.num_layers = 1  # number of blocks L under the one head
+    c.model.num_layers = 1  # number of blocks L under the one head (gpt2: the first L blocks)
     c.model.qk_init = "1/d"  # W_Q, W_K entry variance: "1/d" or "1/d_qk" (times qk_scale²)
     c.model.qk_scale = 1.0  # init scale of W_Q, W_K
     c.model.v_scale = 1.0  # init scale of W_V (variance scale²/d)
@@ -31,7 +38,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.beta_ffn = 1.0  # β_f: H = relu(Z W_1) W_2 + β_f Z
 
     c.data = ml_collections.ConfigDict()
-    c.data.name = "synthetic"  # "synthetic" or "jena"
+    c.data.name = "synthetic"  # "synthetic", "jena" or "sst2"
     c.data.num_samples = 8  # P
     c.data.seq_len = 8  # M
     c.data.dim = 64  # d (the theory regime wants d >= P*M)
@@ -45,6 +52,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.optim.lr = 1e-3  # step size η (per run: see sweep.lr)
     c.optim.momentum = 0.9  # for name="momentum"
     c.optim.reduction = "sum"  # "sum": ½Σ_p‖F(X_p)−Y_p‖² (the paper); "mean": ½·mean of squares
+    # Classification (integer labels): "squared" on one-hot labels (the paper's analysis) or
+    # "cross_entropy"; regression targets always take the squared loss.
+    c.optim.loss = "squared"
     # "fixed": η = optim.lr (or sweep.lr); "lambda_max": per run, η = lr_factor / λ_max(K) of the
     # tangent kernel at initialization (needs the Jacobian to fit theory.max_jacobian_entries).
     c.optim.lr_rule = "fixed"

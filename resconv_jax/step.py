@@ -14,10 +14,9 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 
 from resconv_jax import theory
-from resconv_jax.models import transformer
+from resconv_jax.models.interface import Model
 
 
 def make_optimizer(optim_cfg) -> optax.GradientTransformation:
@@ -50,6 +49,37 @@ def squared_loss(pred: jax.Array, target: jax.Array, reduction: str) -> jax.Arra
     return 0.5 * (jnp.sum(squares) if reduction == "sum" else jnp.mean(squares))
 
 
+def is_classification(target) -> bool:
+    """Integer targets are class labels (P,); float targets are regression targets."""
+    return jnp.issubdtype(target.dtype, jnp.integer)
+
+
+def task_loss(pred: jax.Array, target: jax.Array, reduction: str, kind: str) -> jax.Array:
+    """The task's loss of one run's outputs.
+
+    Regression (float target, same shape as pred): the squared loss. Classification (pred (P, C)
+    logits, target (P,) int labels): "squared", the squared loss on one-hot labels (the paper's
+    analysis), or "cross_entropy"; summed over samples ("sum") or averaged ("mean").
+    """
+    if not is_classification(target):
+        return squared_loss(pred, target, reduction)
+    if kind == "squared":
+        return squared_loss(
+            pred, jax.nn.one_hot(target, pred.shape[-1], dtype=pred.dtype), reduction
+        )
+    losses = optax.softmax_cross_entropy_with_integer_labels(pred, target)
+    return jnp.sum(losses) if reduction == "sum" else jnp.mean(losses)
+
+
+def _masked(inter: dict) -> tuple[jax.Array, jax.Array]:
+    """attn, z (R, L, P, T, d) with padding rows zeroed (row_mask (R, P, T)): the stacked singular
+    values are those of the real rows alone."""
+    if "row_mask" not in inter:
+        return inter["attn"], inter["z"]
+    mask = inter["row_mask"][:, None, :, :, None]
+    return inter["attn"] * mask, inter["z"] * mask
+
+
 @dataclasses.dataclass(frozen=True)
 class StepFunctions:
     """Functions of one model and optimizer; see `make_step_functions`."""
@@ -57,6 +87,7 @@ class StepFunctions:
     loss: Callable  # (params, hp, x, y) -> scalar, one run
     step: Callable  # (state, hp, x, y) -> (state, metrics, {"attn", "z"}), all runs
     evaluate: Callable  # (params, hp, x, y) -> (R,) losses, all runs
+    error: Callable  # (params, hp, x, labels) -> (R,) fraction misclassified, all runs
     run_steps: Callable  # (state, hp, x, y, num_steps) -> (state, buffers)
     predict: Callable  # (params, hp, x) -> F(X), one run
     # (params, hp, x) -> (λ_min(K), λ_max(K)), each (R,); one run at a time (see linalg.py)
@@ -66,7 +97,7 @@ class StepFunctions:
 
 
 def make_step_functions(
-    graphdef: nnx.GraphDef,
+    model: Model,
     optimizer: optax.GradientTransformation,
     reduction: str,
     steps_per_call: int,
@@ -74,17 +105,20 @@ def make_step_functions(
     probe: Callable | None = None,
     runs_per_chunk: int = 0,
     fast_backward: bool = True,
+    loss_kind: str = "squared",
 ) -> StepFunctions:
     """Builds the per-run loss and step, their vmaps over runs, and the on-device step loop.
 
-    x: (P, M, d) and y: (P, M, d_y) are shared by all runs. `run_steps(state, hp, x, y,
-    num_steps)` does num_steps ≤ `steps_per_call` steps (compiled once for any num_steps)
-    and returns every step's metrics in buffers of shape (steps_per_call, R), NaN past
-    `num_steps`. The loss reported for a step is the loss of the parameters that step starts from.
+    x (the model's inputs: (P, M, d) windows, or {"ids", "mask"} (P, T) tokens) and y ((P, M, d_y)
+    targets, or (P,) labels: `task_loss` with `loss_kind`) are shared by all runs.
+    `run_steps(state, hp, x, y, num_steps)` does num_steps ≤ `steps_per_call` steps (compiled
+    once for any num_steps) and returns every step's metrics in buffers of shape
+    (steps_per_call, R), NaN past `num_steps`. The loss reported for a step is the loss of the
+    parameters that step starts from.
 
     `probe(attn, z)` maps the (R, L, P, M, d) intermediates of the call's first step to a dict of
     (R, L) arrays, returned as buffers of shape (1, R, L). No second forward pass: the
-    intermediates come from that step's loss.
+    intermediates come from that step's loss. Padding rows (the model's "row_mask") are zeroed.
 
     `runs_per_chunk` > 0 steps the runs that many at a time (`jax.lax.map` over the run axis,
     vmapped within a chunk) instead of all at once: the same results up to float rounding, with
@@ -97,22 +131,19 @@ def make_step_functions(
     """
 
     def loss_and_intermediates(params, hp, x, y):
-        pred, inter = transformer.apply(
-            graphdef,
-            params,
-            x,
-            hp["beta_attn"],
-            hp["beta_ffn"],
-            return_intermediates=True,
-            fast_backward=fast_backward,
+        pred, inter = model.apply(
+            params, x, hp, return_intermediates=True, fast_backward=fast_backward
         )
-        return squared_loss(pred, y, reduction), inter
+        return task_loss(pred, y, reduction, loss_kind), inter
 
     def loss(params, hp, x, y):
         return loss_and_intermediates(params, hp, x, y)[0]
 
     def predict(params, hp, x):
-        return transformer.apply(graphdef, params, x, hp["beta_attn"], hp["beta_ffn"])
+        return model.apply(params, x, hp)
+
+    def error(params, hp, x, labels):
+        return jnp.mean(jnp.argmax(predict(params, hp, x), axis=-1) != labels)
 
     def kernel_eigenvalues_one(params, hp, x):
         return theory.tangent_kernel_eigenvalues(lambda p: predict(p, hp, x), params)
@@ -150,7 +181,7 @@ def make_step_functions(
         }
         state, buffers = jax.lax.fori_loop(1, num_steps, body, (state, buffers))
         if probe is not None:
-            probed = probe(inter["attn"], inter["z"])
+            probed = probe(*_masked(inter))
             floats = metrics["loss"].dtype  # a float64 probe of a float32 model stays float64
             buffers |= {
                 k: v.astype(jnp.promote_types(floats, v.dtype))[None] for k, v in probed.items()
@@ -161,6 +192,7 @@ def make_step_functions(
         loss=loss,
         step=step,
         evaluate=evaluate,
+        error=jax.vmap(error, in_axes=(0, 0, None, None)),
         run_steps=run_steps,
         predict=predict,
         kernel_eigenvalues=lambda params, hp, x: jax.lax.map(

@@ -34,9 +34,14 @@ from resconv_jax.metrics import (
     step_flops,
     valid_prefix,
 )
-from resconv_jax.models import transformer
+from resconv_jax.models import Model, build_model
 from resconv_jax.runners import ChunkRunners, check_runs_per_chunk
-from resconv_jax.step import init_opt_state, make_optimizer, make_step_functions
+from resconv_jax.step import (
+    init_opt_state,
+    is_classification,
+    make_optimizer,
+    make_step_functions,
+)
 from resconv_jax.summary import fit_floor, run_summaries
 from resconv_jax.sweep import expand_runs, run_hparams
 from resconv_jax.validation import ConfigError, check_workdir, validate_config
@@ -58,9 +63,17 @@ class Preempted(RuntimeError):
     """SIGTERM or a pod preemption: the run stopped at a safe point and can be resumed."""
 
 
-def _init_params(model_cfg, runs) -> dict:
-    params = [transformer.init_params(model_cfg, run.seed)[1] for run in runs]
-    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *params)
+def _init_params(model: Model, runs) -> dict:
+    """The initial parameters of every run, stacked (R, ...): each from its run's seed."""
+    return model.init_runs([run.seed for run in runs])
+
+
+def _num_outputs(model: Model, inputs, params) -> int:
+    """Entries of one run's output F(inputs): the rows of its Jacobian."""
+    structs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), inputs)
+    hp = {"beta_attn": 1.0, "beta_ffn": 1.0}
+    out = jax.eval_shape(lambda p, x: model.apply(p, x, hp), params, structs)
+    return int(np.prod(out.shape))
 
 
 def _init_state(params, runs, optimizer):
@@ -160,6 +173,8 @@ class _Program:
     y_val: jax.Array | None
     runners: ChunkRunners
     evaluate: object
+    error: object  # jitted (params, hp, x, labels) -> (R,) fraction misclassified
+    classification: bool
     kernel: Kernel | None
     lambda_max_at_init: object  # () -> (R,) λ_max(K) at initialization, power iteration
     loss_scale: float
@@ -167,16 +182,18 @@ class _Program:
     compile_seconds: float
 
 
-def _build(config, dataset, mesh, model_cfg, graphdef, kernel_fits) -> _Program:
+def _build(config, dataset, mesh, model: Model, num_outputs: int, kernel_fits) -> _Program:
     """Places data and state on the mesh, compiles the chunks, refuses what cannot fit."""
-    put_data = functools.partial(sharding.put, sharding=sharding.data_sharding(mesh))
+    put_data = functools.partial(sharding.put_tree, sharding=sharding.data_sharding(mesh))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     x, y = put_data(dataset.x_train), put_data(dataset.y_train)
     x_val, y_val = None, None
     if dataset.x_val is not None:
         # Validation sets rarely divide the 'data' axis; they are small, so replicate those.
-        divisible = dataset.x_val.shape[0] % mesh.shape["data"] == 0
-        put_val = put_data if divisible else functools.partial(sharding.put, sharding=replicated)
+        divisible = dataset.num_val % mesh.shape["data"] == 0
+        put_val = (
+            put_data if divisible else functools.partial(sharding.put_tree, sharding=replicated)
+        )
         x_val, y_val = put_val(dataset.x_val), put_val(dataset.y_val)
     runs = expand_runs(config)
     on_runs = sharding.run_sharding(mesh)
@@ -191,26 +208,31 @@ def _build(config, dataset, mesh, model_cfg, graphdef, kernel_fits) -> _Program:
             per_sample=config.probe.per_sample,
         )
     make_fns = functools.partial(
-        make_step_functions, graphdef, optimizer, config.optim.reduction, config.train.log_every
+        make_step_functions,
+        model,
+        optimizer,
+        config.optim.reduction,
+        config.train.log_every,
+        loss_kind=config.optim.loss,
     )
     fns = make_fns()  # loss, step, evaluate, kernel: the chunk runners add the probe
-    scale = loss_scale(config, dataset.y_train)
+    scale = loss_scale(config, num_outputs)
     kernel = None
     if (config.theory.every or config.optim.lr_rule == "lambda_max") and kernel_fits:
         kernel = Kernel(jax.jit(fns.kernel_eigenvalues), scale)
     elif config.theory.every:
         print(
-            f"theory: tangent-kernel certificate skipped: J ({dataset.y_train.size} outputs x "
+            f"theory: tangent-kernel certificate skipped: J ({num_outputs} outputs x "
             f"params) exceeds theory.max_jacobian_entries={config.theory.max_jacobian_entries}",
             flush=True,
         )
-    params = _init_params(model_cfg, runs)
+    params = _init_params(model, runs)
     if config.optim.lr_rule == "lambda_max":
         runs = with_kernel_lrs(config, runs, kernel, params, hp, x)
     state = sharding.put_tree(_init_state(params, runs, optimizer), on_runs)
 
     def lambda_max_at_init():
-        initial = sharding.put_tree(_init_params(model_cfg, runs), on_runs)
+        initial = sharding.put_tree(_init_params(model, runs), on_runs)
         return np.asarray(jax.jit(fns.kernel_lambda_max)(initial, hp, x))
 
     t0 = time.perf_counter()
@@ -226,6 +248,8 @@ def _build(config, dataset, mesh, model_cfg, graphdef, kernel_fits) -> _Program:
         y_val=y_val,
         runners=runners,
         evaluate=jax.jit(fns.evaluate),
+        error=jax.jit(fns.error),
+        classification=bool(is_classification(dataset.y_train)),
         kernel=kernel,
         lambda_max_at_init=lambda_max_at_init,
         loss_scale=scale,
@@ -236,13 +260,13 @@ def _build(config, dataset, mesh, model_cfg, graphdef, kernel_fits) -> _Program:
 
 def _run_locked(config, workdir: str, dataset) -> list[dict]:
     """`run` once the workdir is locked: checks, restore, the step loop, the summary."""
-    x_np, y_np = dataset.x_train, dataset.y_train
-    model_cfg = transformer.model_config(config.model, d=x_np.shape[-1], d_y=y_np.shape[-1])
+    model = build_model(config.model, dataset)
     runs = expand_runs(config)
-    mesh = sharding.make_mesh(len(runs), x_np.shape[0], config.mesh)
+    mesh = sharding.make_mesh(len(runs), dataset.num_train, config.mesh)
     check_runs_per_chunk(config.train.runs_per_chunk, mesh)
-    graphdef, one_run_params = transformer.init_params(model_cfg, runs[0].seed)
-    kernel_fits = jacobian_fits(config, y_np, one_run_params)
+    one_run_params = model.init(runs[0].seed)
+    num_outputs = _num_outputs(model, dataset.x_train, one_run_params)
+    kernel_fits = jacobian_fits(config, num_outputs, one_run_params)
     if config.optim.lr_rule == "lambda_max" and not kernel_fits:
         raise ConfigError(
             "config.optim.lr_rule=lambda_max needs the Jacobian to fit "
@@ -261,7 +285,7 @@ def _run_locked(config, workdir: str, dataset) -> list[dict]:
         if saved is not None:
             defaults = json.loads(base_config().to_json_best_effort())
             check_same_run(workdir, saved, config_json, defaults, where)
-        program = _build(config, dataset, mesh, model_cfg, graphdef, kernel_fits)
+        program = _build(config, dataset, mesh, model, num_outputs, kernel_fits)
         _stop_before_training("compiling")
         if jax.process_index() == 0:
             write_json(os.path.join(workdir, CONFIG_FILE), config_json)
@@ -353,16 +377,14 @@ def _loop(config, workdir, program, checkpointer, writer, step, config_json, dat
                     "rerun the same command to resume"
                 )
             num = min(train.log_every, total - step)
-            val = None
-            if p.x_val is not None:
-                val = np.asarray(p.evaluate(state["params"], p.hp, p.x_val, p.y_val))
+            evaluated = _evaluate(p, state["params"])
             params_at_step = state["params"]
             certify = kernel is not None and config.theory.every and step % config.theory.every == 0
             if certify:  # the kernel needs the parameters the chunk is about to donate
                 params_at_step = jax.tree.map(jnp.copy, params_at_step)
             state, buffers = p.runners.at(step)(state, p.hp, p.x, p.y, jnp.int32(num))
             buffers = jax.tree.map(np.asarray, buffers)
-            records = _log_records(settings, buffers, num, val)
+            records = _log_records(settings, buffers, num, evaluated)
             losses = buffers["loss"][:num]
             if certify and num > 1 and np.isfinite(buffers["loss"][0]).all():
                 contraction = buffers["loss"][1] / buffers["loss"][0]
@@ -382,14 +404,26 @@ def _loop(config, workdir, program, checkpointer, writer, step, config_json, dat
                 last_print, last_print_step = now, step
         if not writer.history or writer.history[-1]["step"] < total:
             final = {"loss": np.asarray(p.evaluate(state["params"], p.hp, p.x, p.y))}
-            if p.x_val is not None:
-                final["val_loss"] = np.asarray(p.evaluate(state["params"], p.hp, p.x_val, p.y_val))
+            final |= _evaluate(p, state["params"])
             writer.write(
                 total, [s | {k: v[r] for k, v in final.items()} for r, s in enumerate(settings)]
             )
         checkpointer.wait()
     except WorkdirWriteError as error:
         raise WorkdirWriteError(f"{error}; {_resume_hint(checkpointer)}") from None
+
+
+def _evaluate(program: _Program, params) -> dict[str, np.ndarray]:
+    """Per-run values at a log step besides the training loss: the validation loss and, for a
+    classification task, the training and validation errors (fraction misclassified)."""
+    p, values = program, {}
+    if p.x_val is not None:
+        values["val_loss"] = np.asarray(p.evaluate(params, p.hp, p.x_val, p.y_val))
+    if p.classification:
+        values["error"] = np.asarray(p.error(params, p.hp, p.x, p.y))
+        if p.x_val is not None:
+            values["val_error"] = np.asarray(p.error(params, p.hp, p.x_val, p.y_val))
+    return values
 
 
 def _diverged(config, program: _Program, checkpointer, writer, step: int, losses) -> str:
@@ -414,8 +448,9 @@ def _diverged(config, program: _Program, checkpointer, writer, step: int, losses
     )
 
 
-def _log_records(settings: list[dict], buffers: dict, num: int, val) -> list[dict]:
-    """One record per run for the chunk's first step: loss, contraction, probe values."""
+def _log_records(settings: list[dict], buffers: dict, num: int, evaluated: dict) -> list[dict]:
+    """One record per run for the chunk's first step: loss, contraction, probe values, and the
+    `evaluated` values ({name: (R,)}: validation loss, classification errors)."""
     records = []
     for r, run_settings in enumerate(settings):
         record = dict(run_settings)
@@ -423,8 +458,7 @@ def _log_records(settings: list[dict], buffers: dict, num: int, val) -> list[dic
         record["grad_norm"] = buffers["grad_norm"][0, r]
         if num > 1:
             record["contraction"] = buffers["loss"][1, r] / buffers["loss"][0, r]
-        if val is not None:
-            record["val_loss"] = val[r]
+        record |= {name: values[r] for name, values in evaluated.items()}
         for key, values in buffers.items():
             if "/" in key and np.isfinite(values[0, r]).all():
                 record |= {f"layer{i}/{key}": v for i, v in enumerate(values[0, r])}

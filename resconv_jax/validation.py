@@ -9,8 +9,10 @@ import jax
 
 CHOICES = {
     "task": ("train", "rank_collapse"),
+    "model.name": ("transformer", "gpt2"),
+    "optim.loss": ("squared", "cross_entropy"),
     "model.qk_init": ("1/d", "1/d_qk"),
-    "data.name": ("synthetic", "jena"),
+    "data.name": ("synthetic", "jena", "sst2"),
     "data.target": ("gaussian", "teacher"),
     "optim.name": ("sgd", "momentum", "adam"),
     "optim.reduction": ("sum", "mean"),

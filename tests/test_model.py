@@ -71,7 +71,7 @@ def test_gd_step_is_params_minus_lr_grad_with_finite_difference_gradient():
         optim = base_config().optim
         optim.lr = 0.05
         optimizer = make_optimizer(optim)
-        fns = make_step_functions(graphdef, optimizer, "sum", steps_per_call=1)
+        fns = make_step_functions(transformer.make_model(cfg), optimizer, "sum", steps_per_call=1)
         hp = {"beta_attn": jnp.asarray([0.5]), "beta_ffn": jnp.asarray([1.0])}
         stacked = jax.tree.map(lambda a: a[None], params)
         state = {

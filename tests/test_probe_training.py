@@ -59,9 +59,8 @@ def final_params(config, workdir) -> dict:
     model_cfg = transformer.model_config(
         config.model, d=data.x_train.shape[-1], d_y=data.y_train.shape[-1]
     )
-    abstract = train._init_state(
-        train._init_params(model_cfg, runs), runs, make_optimizer(config.optim)
-    )
+    params = train._init_params(transformer.make_model(model_cfg), runs)
+    abstract = train._init_state(params, runs, make_optimizer(config.optim))
     checkpointer = Checkpointer(str(workdir), every=1, keep=1, use_async=False)
     try:
         step, state, _ = checkpointer.restore_latest(abstract)
@@ -239,15 +238,17 @@ def test_compiled_training_step_moves_no_z_sized_array(mesh_shape, num_runs):
     on_runs = sharding.run_sharding(mesh)
     hp = sharding.put_tree(run_hparams(runs), on_runs)
     optimizer = make_optimizer(config.optim)
-    state = sharding.put_tree(
-        train._init_state(train._init_params(model_cfg, runs), runs, optimizer), on_runs
-    )
-    graphdef = transformer.init_params(model_cfg, 0)[0]
+    params = train._init_params(transformer.make_model(model_cfg), runs)
+    state = sharding.put_tree(train._init_state(params, runs, optimizer), on_runs)
     num_params = sum(leaf[0].size for leaf in jax.tree.leaves(state["params"]))
 
     def compiled_hlo(probe_fn):
         fns = make_step_functions(
-            graphdef, optimizer, config.optim.reduction, config.train.log_every, probe=probe_fn
+            transformer.make_model(model_cfg),
+            optimizer,
+            config.optim.reduction,
+            config.train.log_every,
+            probe=probe_fn,
         )
         state_sharding = jax.tree.map(lambda _: on_runs, state)
         jitted = jax.jit(fns.run_steps, donate_argnums=0, out_shardings=(state_sharding, None))
@@ -310,7 +311,8 @@ def test_kernel_from_j_jt_and_jt_j_share_nonzero_eigenvalues():
     params = jax.tree.map(np.asarray, params)
     with jax.enable_x64(True):
         params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), params)
-        fns = make_step_functions(graphdef, make_optimizer(config.optim), "sum", 1)
+        model = transformer.make_model(model_cfg)
+        fns = make_step_functions(model, make_optimizer(config.optim), "sum", 1)
         hp = {"beta_attn": jnp.float64(1.0), "beta_ffn": jnp.float64(1.0)}
         x = jnp.asarray(data.x_train, jnp.float64)
         theta, unravel = ravel_pytree(params)

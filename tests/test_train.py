@@ -12,6 +12,7 @@ from tensorboardX.proto import event_pb2
 from resconv_jax import runners, train
 from resconv_jax.config_defaults import load_config_file
 from resconv_jax.metrics import read_metrics
+from resconv_jax.models import transformer
 from resconv_jax.validation import ConfigError
 
 TINY = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.py")
@@ -108,9 +109,10 @@ def test_automatic_chunking_on_one_device_when_the_step_outgrows_the_cache(
 def test_same_seed_gives_same_initialization_whatever_beta():
     config = tiny(**{"sweep.seed": (0, 1)})
     runs = train.expand_runs(config)
-    model_cfg = train.transformer.model_config(config.model, d=32, d_y=1)
+    model_cfg = transformer.model_config(config.model, d=32, d_y=1)
     optimizer = train.make_optimizer(config.optim)
-    params = train._init_state(train._init_params(model_cfg, runs), runs, optimizer)["params"]
+    initial = train._init_params(transformer.make_model(model_cfg), runs)
+    params = train._init_state(initial, runs, optimizer)["params"]
     w_q = np.asarray(params["blocks"][0]["w_q"])
     assert [(r.seed, r.beta_attn) for r in runs[:4]] == [(0, 0.0), (0, 0.5), (0, 1.0), (1, 0.0)]
     np.testing.assert_array_equal(w_q[0], w_q[2])

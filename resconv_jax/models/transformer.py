@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from resconv_jax.models.fast_ops import matmul, matmul_nt, plain_matmul_nt, softmax_rows
+from resconv_jax.models.interface import Model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,3 +157,17 @@ def init_params(cfg: ModelConfig, seed: int) -> tuple[nnx.GraphDef, dict]:
 def apply(graphdef: nnx.GraphDef, params: dict, x: jax.Array, beta_attn, beta_ffn, **kwargs):
     """Pure forward pass of `Transformer.__call__` from a parameter dict."""
     return nnx.merge(graphdef, params)(x, beta_attn, beta_ffn, **kwargs)
+
+
+def make_model(cfg: ModelConfig) -> Model:
+    """The paper's Transformer behind the trainer's `Model` interface."""
+    graphdef, _ = init_params(cfg, 0)
+    return Model(
+        graphdef=graphdef,
+        forward=apply,
+        init=lambda seed: init_params(cfg, seed)[1],
+        description=(
+            f"Transformer: {cfg.num_layers} block(s), d={cfg.d}, d_qk={cfg.d_qk}, d_h={cfg.d_h}"
+        ),
+        fast_backward=True,
+    )

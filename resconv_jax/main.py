@@ -57,6 +57,8 @@ def _config_path(argv: list[str]) -> str | None:
 def _check_config_file(path: str) -> None:
     """One line for a config file that cannot be a config: missing, unreadable, not Python."""
     where = f"--config={path}"
+    if not os.path.exists(path) and ":" in path:  # FILE:ARG passes ARG to get_config
+        path = path.rsplit(":", 1)[0]
     if not os.path.exists(path):
         _fail(f"{where}: no such file", EXIT_BAD_INPUT)
     if os.path.isdir(path):

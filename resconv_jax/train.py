@@ -149,7 +149,7 @@ def run(config, workdir: str) -> list[dict]:
             lock.acquire()
         try:
             return _run_locked(config, workdir, dataset)
-        except (ConfigError, Preempted):
+        except (ValueError, Preempted):  # ConfigError, data or weights errors: nothing kept
             if created and jax.process_index() == 0:
                 lock.release()
                 _remove_new_workdir(workdir)
@@ -171,6 +171,7 @@ class _Program:
     y: jax.Array
     x_val: jax.Array | None
     y_val: jax.Array | None
+    description: str  # the model's
     runners: ChunkRunners
     evaluate: object
     error: object  # jitted (params, hp, x, labels) -> (R,) fraction misclassified
@@ -246,6 +247,7 @@ def _build(config, dataset, mesh, model: Model, num_outputs: int, kernel_fits) -
         y=y,
         x_val=x_val,
         y_val=y_val,
+        description=model.description,
         runners=runners,
         evaluate=jax.jit(fns.evaluate),
         error=jax.jit(fns.error),
@@ -349,8 +351,9 @@ def _loop(config, workdir, program, checkpointer, writer, step, config_json, dat
     """Steps every run from `step` to train.num_steps, one log chunk at a time."""
     train, p = config.train, program
     runs, kernel = p.runs, p.kernel
+    print(p.description, flush=True)
     print(
-        f"{len(runs)} runs, mesh {dict(p.x.sharding.mesh.shape)}, {dataset.description}; "
+        f"{len(runs)} runs, mesh {dict(p.y.sharding.mesh.shape)}, {dataset.description}; "
         f"compiled in {p.compile_seconds:.1f}s{p.runners.description}; {p.flops:.3g} FLOP per "
         "step (all runs)",
         flush=True,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import os
 from importlib import resources
 from pathlib import Path
 
@@ -293,3 +294,34 @@ def test_tfds_bad_data_writes_nothing(tmp_path: Path):
     with pytest.raises(SST2DataError, match="line 3: label '7'"):
         sst2_tfds.prepare(data_dir, folder)
     assert not data_dir.exists()
+
+
+@pytest.mark.slow
+def test_sst2_config_trains_a_tiny_random_gpt2(tmp_path):
+    """configs/sst2.py end to end on a tiny random GPT-2: metrics with errors, the per-β table."""
+    from resconv_jax import train
+    from resconv_jax.config_defaults import load_config_file
+    from resconv_jax.metrics import read_metrics
+
+    config = load_config_file(
+        os.path.join(os.path.dirname(__file__), "..", "configs", "sst2.py"),
+        **{
+            "model.weights": "random",
+            "train.num_steps": 10,
+            "train.log_every": 5,
+            "train.print_every": 5,
+            "train.checkpoint_every": 5,
+            "data.num_train": 16,
+            "data.num_val": 16,
+            "data.max_tokens": 16,
+        },
+    )
+    with config.unlocked():
+        config.model.gpt2_shape.update(n_embd=16, n_head=2, n_layer=3, n_positions=16)
+    summaries = train.run(config, str(tmp_path))
+    assert [s["beta_attn"] for s in summaries] == [0.0, 1.0]
+    last = [r for r in read_metrics(str(tmp_path)) if r["step"] == 10]
+    assert all(0.0 <= r["error"] <= 1.0 and 0.0 <= r["val_error"] <= 1.0 for r in last)
+    first = [r for r in read_metrics(str(tmp_path)) if r["step"] == 0]
+    assert all(r["layer0/z/sigma_max"] > 0 for r in first)
+    assert (tmp_path / "beta_table.csv").exists() and (tmp_path / "loss_by_beta.png").exists()

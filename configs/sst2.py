@@ -1,0 +1,50 @@
+"""SST-2 with GPT-2 (paper.md, "SST-2"): GPT-2 truncated to its first L blocks, trained by
+full-batch GD with (β = 1) and without (β = 0) its residual connections; every LayerNorm is kept.
+
+    python -m resconv_jax.main --config=configs/sst2.py --workdir=workdirs/sst2_L2 \\
+        --config.model.weights=FOLDER --config.model.num_layers=2
+
+`model.weights`: a Hugging Face GPT-2 folder (config.json + model.safetensors), or a hub id
+(default `openai-community/gpt2`, read from the local Hugging Face cache; with no network and no
+cache the run stops in one line naming the folder option). One command trains one depth L, with
+β ∈ {0, 1} in one program; the paper's L ∈ {2, 6, 10} is three commands (`model.num_layers`) until
+sweeps over depth land. Data: P = 256 sentences of the bundled GLUE sample (a seeded choice, at
+most 64 GPT-2 tokens each, padded on the right), validation error on all 872 dev sentences. Loss:
+½‖F − onehot(y)‖² over the P sentences' logits (the paper's squared loss; `optim.loss=
+cross_entropy` for the usual one), averaged (`optim.reduction=mean`). The probe reports σ(Z),
+σ(Attn) per layer on real tokens only.
+
+`configs/sst2.py:random_small` is the offline CPU variant: a random-init GPT-2 (not the pretrained
+model; its output says so) of width 64, 4 heads, 10 blocks, truncated to L = 2, on 2 CPU cores.
+"""
+
+from resconv_jax.config_defaults import base_config
+from resconv_jax.data.sst2 import default_sst2_config
+
+
+def get_config(arg=None):
+    config = base_config()
+    config.data = default_sst2_config()  # source, path, max_tokens T, num_train P, ... (sst2.py)
+    config.data.name = "sst2"
+    config.model.name = "gpt2"
+    config.model.weights = "openai-community/gpt2"
+    config.model.num_layers = 2  # L: the first L GPT-2 blocks
+    # The mean over the P·2 outputs: with the sum, 2/λ_max(K) at init is ~1e-6 (random_small).
+    config.optim.reduction = "mean"
+    config.optim.lr = 2e-4  # below 2/λ_max(K) at init of β = 0 (4.9e-4, random_small)
+    config.train.num_steps = 300
+    config.train.log_every = 10
+    config.train.print_every = 50
+    config.train.checkpoint_every = 100
+    config.sweep.beta = (0.0, 1.0)
+    config.probe.per_sample = False  # sentences have fewer real tokens than d: σ_min(Z_p) = 0
+    if arg == "random_small":
+        config.model.weights = "random"
+        config.model.gpt2_shape.n_embd = 64
+        config.model.gpt2_shape.n_head = 4
+        config.model.gpt2_shape.n_layer = 10
+        config.model.gpt2_shape.n_positions = 64
+    elif arg:
+        raise ValueError(f"configs/sst2.py: unknown variant {arg!r} (expected random_small)")
+    config.lock()
+    return config

@@ -1,21 +1,23 @@
 """SST-2 with GPT-2 (paper.md, "SST-2"): GPT-2 truncated to its first L blocks, trained by
 full-batch GD with (β = 1) and without (β = 0) its residual connections; every LayerNorm is kept.
 
-    python -m resconv_jax.main --config=configs/sst2.py --workdir=workdirs/sst2_L2 \\
-        --config.model.weights=FOLDER --config.model.num_layers=2
+    python -m resconv_jax.main --config=configs/sst2.py --workdir=workdirs/sst2 \\
+        --config.model.weights=FOLDER
 
 `model.weights`: a Hugging Face GPT-2 folder (config.json + model.safetensors), or a hub id
 (default `openai-community/gpt2`, read from the local Hugging Face cache; with no network and no
-cache the run stops in one line naming the folder option). One command trains one depth L, with
-β ∈ {0, 1} in one program; the paper's L ∈ {2, 6, 10} is three commands (`model.num_layers`) until
-sweeps over depth land. Data: P = 256 sentences of the bundled GLUE sample (a seeded choice, at
-most 64 GPT-2 tokens each, padded on the right), validation error on all 872 dev sentences. Loss:
-½‖F − onehot(y)‖² over the P sentences' logits (the paper's squared loss; `optim.loss=
-cross_entropy` for the usual one), averaged (`optim.reduction=mean`). The probe reports σ(Z),
-σ(Attn) per layer on real tokens only.
+cache the run stops in one line naming the folder option). The 6 runs L ∈ {2, 6, 10} × β ∈ {0, 1}
+are one program per depth (`sweep.num_layers`), run one after another in WORKDIR/layers_<L>;
+WORKDIR gets the merged metrics, summary.json and the per-(L, β) table and figures. Data:
+P = 256 sentences of the bundled GLUE sample (a seeded choice, at most 64 GPT-2 tokens each,
+padded on the right); validation error on all 872 dev sentences. Loss: ½‖F − onehot(y)‖² over
+the P sentences' logits (the paper's squared loss; `optim.loss=cross_entropy` for the usual
+one), averaged (`optim.reduction=mean`). The probe reports σ(Z), σ(Attn) per layer on real
+tokens only.
 
 `configs/sst2.py:random_small` is the offline CPU variant: a random-init GPT-2 (not the pretrained
-model; its output says so) of width 64, 4 heads, 10 blocks, truncated to L = 2, on 2 CPU cores.
+model; its output says so) of width 64, 4 heads, 10 blocks, on P = 128 sentences of at most 32
+tokens, for 2 CPU cores.
 """
 
 from resconv_jax.config_defaults import base_config
@@ -28,7 +30,8 @@ def get_config(arg=None):
     config.data.name = "sst2"
     config.model.name = "gpt2"
     config.model.weights = "openai-community/gpt2"
-    config.model.num_layers = 2  # L: the first L GPT-2 blocks
+    config.model.num_layers = 2  # L when sweep.num_layers is empty
+    config.sweep.num_layers = (2, 6, 10)  # L: the first L GPT-2 blocks, one program per depth
     # The mean over the P·2 outputs: with the sum, 2/λ_max(K) at init is ~1e-6 (random_small).
     config.optim.reduction = "mean"
     config.optim.lr = 2e-4  # below 2/λ_max(K) at init of β = 0 (4.9e-4, random_small)
@@ -44,6 +47,8 @@ def get_config(arg=None):
         config.model.gpt2_shape.n_head = 4
         config.model.gpt2_shape.n_layer = 10
         config.model.gpt2_shape.n_positions = 64
+        config.data.num_train = 128
+        config.data.max_tokens = 32
     elif arg:
         raise ValueError(f"configs/sst2.py: unknown variant {arg!r} (expected random_small)")
     config.lock()

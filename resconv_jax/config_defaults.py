@@ -80,6 +80,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.sweep.beta_ffn = ()  # values of β_f
     c.sweep.seed = ()  # initialization seeds
     c.sweep.lr = ()  # step sizes
+    # depths L (model.num_layers): one compiled program per depth, run one after another, each in
+    # WORKDIR/layers_<L>/ (its own checkpoints and metrics; WORKDIR holds the merged results)
+    c.sweep.num_layers = ()
 
     c.probe = ml_collections.ConfigDict()
     # Spectral probe of Attn(X) and Z, from the probed step's own forward pass; its values go to

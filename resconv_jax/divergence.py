@@ -65,7 +65,7 @@ def diverged_message(
     offset, first = (int(v) for v in np.argwhere(~np.isfinite(losses))[0])
     run = runs[first]
     text = (
-        f"{len(bad)} of {len(runs)} runs diverged (first: run {first}, beta_attn="
+        f"{len(bad)} of {len(runs)} runs diverged (first: run {run.index}, beta_attn="
         f"{run.beta_attn:g}, beta_ffn={run.beta_ffn:g}, seed={run.seed}, lr={run.lr:g}: loss "
         f"{losses[offset, first]} at step {step + offset}); "
     )
@@ -81,7 +81,7 @@ def diverged_message(
         text += "no checkpoint yet; "
     lam, source = lambda_max()
     stable = theory.stable_lr(np.asarray(lam, float)[bad], loss_scale=loss_scale)
-    worst = int(bad[np.argmin(stable)])
+    worst = runs[int(bad[np.argmin(stable)])].index
     suggestion = 0.5 * float(np.min(stable))
     option = "--config.sweep.lr values at most " if sweeps_lr else "--config.optim.lr="
     return text + (

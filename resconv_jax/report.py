@@ -38,9 +38,15 @@ def _runs(history: list[dict]) -> list[dict]:
 
 
 def _beta_label(line: dict) -> str:
+    depth = f"L={line['num_layers']}, " if "num_layers" in line else ""
     if line["beta_attn"] == line["beta_ffn"]:
-        return f"β={line['beta_attn']:g}"
-    return f"β_a={line['beta_attn']:g}, β_f={line['beta_ffn']:g}"
+        return f"{depth}β={line['beta_attn']:g}"
+    return f"{depth}β_a={line['beta_attn']:g}, β_f={line['beta_ffn']:g}"
+
+
+def _group_key(line: dict) -> tuple:
+    """(L or 0, β_a, β_f): the runs (seeds) that share these are one row of the table."""
+    return line.get("num_layers", 0), line["beta_attn"], line["beta_ffn"]
 
 
 def plot_training(history: list[dict], path: str) -> None:
@@ -85,7 +91,7 @@ def beta_table(
         val = series(history, run["run"], "val_loss")[1]
         fro = series(history, run["run"], Z_FRO)[1]
         rate, _ = fit_rate(steps, losses, floor)
-        groups.setdefault((run["beta_attn"], run["beta_ffn"]), []).append(
+        groups.setdefault(_group_key(run), []).append(
             {
                 "final_loss": losses[-1],
                 "final_val_loss": val[-1] if val.size else np.nan,
@@ -96,8 +102,9 @@ def beta_table(
             }
         )
     rows = []
-    for (beta_attn, beta_ffn), members in sorted(groups.items()):
-        row = {"beta_attn": beta_attn, "beta_ffn": beta_ffn, "runs": len(members)}
+    for (layers, beta_attn, beta_ffn), members in sorted(groups.items()):
+        row = {"num_layers": layers} if layers else {}
+        row |= {"beta_attn": beta_attn, "beta_ffn": beta_ffn, "runs": len(members)}
         for key in members[0]:
             values = np.array([m[key] for m in members], float)
             row[key] = float(np.mean(values))
@@ -114,9 +121,9 @@ def plot_loss_by_beta(history: list[dict], path: str) -> None:
     steps = None
     for run in _runs(history):
         steps, losses = series(history, run["run"], "loss")
-        by_beta.setdefault((run["beta_attn"], run["beta_ffn"], _beta_label(run)), []).append(losses)
+        by_beta.setdefault((*_group_key(run), _beta_label(run)), []).append(losses)
     colors = plt.cm.viridis(np.linspace(0, 0.9, max(len(by_beta), 1)))
-    for color, ((_, _, label), curves) in zip(colors, sorted(by_beta.items()), strict=False):
+    for color, ((*_, label), curves) in zip(colors, sorted(by_beta.items()), strict=False):
         curves = np.array(curves)
         ax.semilogy(steps, curves.mean(0), color=color, label=f"{label} ({len(curves)} seeds)")
         ax.fill_between(steps, curves.min(0), curves.max(0), color=color, alpha=0.2)
@@ -127,15 +134,20 @@ def plot_loss_by_beta(history: list[dict], path: str) -> None:
 
 
 def plot_sigma_by_beta(rows: list[dict], path: str) -> None:
-    """σ_min(Z)/‖Z‖_F (layer 0) against β, at the first and the last logged step."""
+    """σ_min(Z)/‖Z‖_F (layer 0) against β, at the first and the last logged step (per depth L
+    when the sweep has several)."""
     fig, ax = plt.subplots(figsize=(5.5, 4))
-    betas = [row["beta_attn"] for row in rows]
-    for when, marker in (("start", "o"), ("end", "s")):
-        key = f"z_sigma_min_over_fro_{when}"
-        mean = np.array([row[key] for row in rows])
-        err = [mean - [row[f"{key}_min"] for row in rows], [row[f"{key}_max"] for row in rows]]
-        err[1] = np.array(err[1]) - mean
-        ax.errorbar(betas, mean, yerr=err, marker=marker, capsize=3, label=f"{when} of training")
+    for layers in sorted({row.get("num_layers", 0) for row in rows}):
+        same = [row for row in rows if row.get("num_layers", 0) == layers]
+        betas = [row["beta_attn"] for row in same]
+        depth = f"L={layers}, " if layers else ""
+        for when, marker in (("start", "o"), ("end", "s")):
+            key = f"z_sigma_min_over_fro_{when}"
+            mean = np.array([row[key] for row in same])
+            low = mean - [row[f"{key}_min"] for row in same]
+            high = np.array([row[f"{key}_max"] for row in same]) - mean
+            label = f"{depth}{when} of training"
+            ax.errorbar(betas, mean, yerr=[low, high], marker=marker, capsize=3, label=label)
     ax.set(xlabel="β (attention residual)", ylabel="σ_min(Z) / ‖Z‖_F", title="Conditioning of Z")
     ax.set_yscale("log")
     ax.legend()
@@ -162,14 +174,16 @@ def write_reports(
 
 def format_beta_table(rows: list[dict]) -> str:
     """The per-β table as printed at the end of a run."""
-    header = (
+    depth = "num_layers" in rows[0]
+    header = ("   L " if depth else "") + (
         f"{'beta_a':>6} {'beta_f':>6} {'runs':>4} {'final loss':>11} {'final val':>11} "
         f"{'steps<thr':>9} {'rate/step':>9} {'σmin/‖Z‖F start':>16} {'end':>9}"
     )
     lines = [f"per-β table (threshold {rows[0]['threshold']:.4g}; means over runs):", header]
     for row in rows:
         lines.append(
-            f"{row['beta_attn']:>6g} {row['beta_ffn']:>6g} {row['runs']:>4d} "
+            (f"{row['num_layers']:>4d} " if depth else "")
+            + f"{row['beta_attn']:>6g} {row['beta_ffn']:>6g} {row['runs']:>4d} "
             f"{row['final_loss']:>11.4e} {row['final_val_loss']:>11.4e} "
             f"{row['steps_to_threshold']:>9.0f} {row['rate']:>9.5f} "
             f"{row['z_sigma_min_over_fro_start']:>16.4g} {row['z_sigma_min_over_fro_end']:>9.4g}"

@@ -77,6 +77,8 @@ def format_summary(summary: dict) -> str:
     """'run 0 (beta_attn=0, beta_ffn=0, seed=0, lr=0.01): final loss 1.2e-05 at step 2000, ...'"""
     s = summary
     settings = f"beta_attn={s['beta_attn']:g}, beta_ffn={s['beta_ffn']:g}, seed={s['seed']}"
+    if "num_layers" in s:
+        settings = f"L={s['num_layers']}, {settings}"
     text = (
         f"run {s['run']} ({settings}, lr={s['lr']:.4g}): final loss {s['final_loss']:.3e} "
         f"at step {s['final_step']} (initial {s['initial_loss']:.3e}), "

@@ -43,13 +43,14 @@ from resconv_jax.step import (
     make_step_functions,
 )
 from resconv_jax.summary import fit_floor, run_summaries
-from resconv_jax.sweep import expand_runs, run_hparams
+from resconv_jax.sweep import expand_runs, group_runs, run_hparams
 from resconv_jax.validation import ConfigError, check_workdir, validate_config
 from resconv_jax.workdir import (
     CONFIG_FILE,
     LOCK_FILE,
     WorkdirLock,
     WorkdirWriteError,
+    atomic_open,
     check_same_run,
     read_saved_config,
     write_json,
@@ -148,7 +149,10 @@ def run(config, workdir: str) -> list[dict]:
                 os.makedirs(workdir, exist_ok=True)
             lock.acquire()
         try:
-            return _run_locked(config, workdir, dataset)
+            groups = group_runs(expand_runs(config))
+            if len(groups) == 1:
+                return _run_locked(config, workdir, dataset, groups[0][1])
+            return _run_groups(config, workdir, dataset, groups)
         except (ValueError, Preempted):  # ConfigError, data or weights errors: nothing kept
             if created and jax.process_index() == 0:
                 lock.release()
@@ -183,7 +187,7 @@ class _Program:
     compile_seconds: float
 
 
-def _build(config, dataset, mesh, model: Model, num_outputs: int, kernel_fits) -> _Program:
+def _build(config, dataset, mesh, model: Model, num_outputs: int, kernel_fits, runs) -> _Program:
     """Places data and state on the mesh, compiles the chunks, refuses what cannot fit."""
     put_data = functools.partial(sharding.put_tree, sharding=sharding.data_sharding(mesh))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -196,7 +200,6 @@ def _build(config, dataset, mesh, model: Model, num_outputs: int, kernel_fits) -
             put_data if divisible else functools.partial(sharding.put_tree, sharding=replicated)
         )
         x_val, y_val = put_val(dataset.x_val), put_val(dataset.y_val)
-    runs = expand_runs(config)
     on_runs = sharding.run_sharding(mesh)
     hp = sharding.put_tree(run_hparams(runs), on_runs)
     optimizer = make_optimizer(config.optim)
@@ -260,10 +263,51 @@ def _build(config, dataset, mesh, model: Model, num_outputs: int, kernel_fits) -
     )
 
 
-def _run_locked(config, workdir: str, dataset) -> list[dict]:
-    """`run` once the workdir is locked: checks, restore, the step loop, the summary."""
+def _run_groups(config, workdir: str, dataset, groups) -> list[dict]:
+    """A sweep over depths: each depth's runs are one program, trained in WORKDIR/layers_<L>
+    (checkpoints, metrics, its own report; resumable on its own), one after another; WORKDIR
+    gets the merged metrics.jsonl, summary.json and report."""
+    config_json = json.loads(config.to_json_best_effort())
+    saved = read_saved_config(workdir)
+    if saved is not None:
+        defaults = json.loads(base_config().to_json_best_effort())
+        check_same_run(workdir, saved, config_json, defaults, CONFIG_FILE)
+    if jax.process_index() == 0:
+        write_json(os.path.join(workdir, CONFIG_FILE), config_json)
+    summaries, lines = [], []
+    for layers, runs in groups:
+        group_dir = os.path.join(workdir, f"layers_{layers}")
+        with writing(group_dir):
+            os.makedirs(group_dir, exist_ok=True)
+        print(f"depth L={layers}: runs {runs[0].index}-{runs[-1].index} in {group_dir}", flush=True)
+        with config.unlocked():
+            group_config = config.copy_and_resolve_references()
+        with group_config.unlocked():
+            group_config.model.num_layers = layers
+            group_config.sweep.num_layers = ()
+        summaries += _run_locked(group_config, group_dir, dataset, runs)
+        lines += read_metrics_lines(group_dir)
+    history = [record for _, record in lines]
+    if jax.process_index() == 0:
+        with atomic_open(os.path.join(workdir, METRICS_FILE)) as f:
+            f.writelines(text for text, _ in lines)
+        _write_summary(config, workdir, history, summaries)
+    return summaries
+
+
+def _write_summary(config, workdir: str, history: list[dict], summaries: list[dict]) -> None:
+    """summary.json, the figures and the per-(L, β) table of a finished sweep in `workdir`."""
+    write_json(os.path.join(workdir, "summary.json"), summaries)
+    floor = fit_floor(config.model.dtype)
+    rows = report.write_reports(workdir, history, config.report.loss_threshold, floor)
+    if len(rows) > 1:
+        print(report.format_beta_table(rows), flush=True)
+
+
+def _run_locked(config, workdir: str, dataset, runs) -> list[dict]:
+    """`run` once the workdir is locked, for `runs` of one shape: checks, restore, the step loop,
+    the summary."""
     model = build_model(config.model, dataset)
-    runs = expand_runs(config)
     mesh = sharding.make_mesh(len(runs), dataset.num_train, config.mesh)
     check_runs_per_chunk(config.train.runs_per_chunk, mesh)
     one_run_params = model.init(runs[0].seed)
@@ -287,7 +331,7 @@ def _run_locked(config, workdir: str, dataset) -> list[dict]:
         if saved is not None:
             defaults = json.loads(base_config().to_json_best_effort())
             check_same_run(workdir, saved, config_json, defaults, where)
-        program = _build(config, dataset, mesh, model, num_outputs, kernel_fits)
+        program = _build(config, dataset, mesh, model, num_outputs, kernel_fits, runs)
         _stop_before_training("compiling")
         if jax.process_index() == 0:
             write_json(os.path.join(workdir, CONFIG_FILE), config_json)
@@ -300,14 +344,10 @@ def _run_locked(config, workdir: str, dataset) -> list[dict]:
             writer.close()
     finally:
         checkpointer.close()
-    floor = fit_floor(config.model.dtype)
     settings = [r.settings() for r in program.runs]
-    summaries = run_summaries(writer.history, settings, floor)
+    summaries = run_summaries(writer.history, settings, fit_floor(config.model.dtype))
     if jax.process_index() == 0:
-        write_json(os.path.join(workdir, "summary.json"), summaries)
-        rows = report.write_reports(workdir, writer.history, config.report.loss_threshold, floor)
-        if len(rows) > 1:
-            print(report.format_beta_table(rows), flush=True)
+        _write_summary(config, workdir, writer.history, summaries)
     return summaries
 
 

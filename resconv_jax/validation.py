@@ -113,6 +113,9 @@ def validate_config(config) -> None:
             _check_beta(f"config.{field}", _get(config, field))
     for value in config.sweep.lr:
         _check_lr("config.sweep.lr", value)
+    for value in config.sweep.get("num_layers", ()):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"config.sweep.num_layers={value!r}: expected integers >= 1")
     for name in ("beta", "beta_attn", "beta_ffn"):
         for value in config.sweep[name]:
             _check_beta(f"config.sweep.{name}", value)

@@ -307,6 +307,7 @@ def test_sst2_config_trains_a_tiny_random_gpt2(tmp_path):
         os.path.join(os.path.dirname(__file__), "..", "configs", "sst2.py"),
         **{
             "model.weights": "random",
+            "sweep.num_layers": (1, 2),
             "train.num_steps": 10,
             "train.log_every": 5,
             "train.print_every": 5,
@@ -319,7 +320,12 @@ def test_sst2_config_trains_a_tiny_random_gpt2(tmp_path):
     with config.unlocked():
         config.model.gpt2_shape.update(n_embd=16, n_head=2, n_layer=3, n_positions=16)
     summaries = train.run(config, str(tmp_path))
-    assert [s["beta_attn"] for s in summaries] == [0.0, 1.0]
+    assert [(s["num_layers"], s["beta_attn"]) for s in summaries] == [
+        (1, 0.0),
+        (1, 1.0),
+        (2, 0.0),
+        (2, 1.0),
+    ]
     last = [r for r in read_metrics(str(tmp_path)) if r["step"] == 10]
     assert all(0.0 <= r["error"] <= 1.0 and 0.0 <= r["val_error"] <= 1.0 for r in last)
     first = [r for r in read_metrics(str(tmp_path)) if r["step"] == 0]

@@ -1,0 +1,51 @@
+"""Sweeps over depth: one program per L, run one after another, resumable across groups."""
+
+import os
+
+import pytest
+
+from resconv_jax import train
+from resconv_jax.config_defaults import load_config_file
+from resconv_jax.metrics import METRICS_FILE, read_metrics
+
+TINY = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.py")
+STEPS = {
+    "train.num_steps": 20,
+    "train.checkpoint_every": 10,
+    "train.async_checkpoints": False,
+    "optim.lr": 1e-3,  # stable at L = 2 too
+}
+
+
+def tiny(**overrides):
+    return load_config_file(TINY, **(STEPS | overrides))
+
+
+def without(records: list[dict], *keys: str) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in keys} for r in records]
+
+
+@pytest.mark.slow
+def test_a_depth_sweep_equals_the_depths_run_one_at_a_time(tmp_path, capsys):
+    summaries = train.run(tiny(**{"sweep.num_layers": (1, 2)}), str(tmp_path / "sweep"))
+    assert [(s["run"], s["num_layers"]) for s in summaries] == [(r, 1 + r // 3) for r in range(6)]
+    merged = read_metrics(str(tmp_path / "sweep"))
+    assert {r["num_layers"] for r in merged} == {1, 2}
+    for layers in (1, 2):
+        alone = tmp_path / f"alone{layers}"
+        train.run(tiny(**{"model.num_layers": layers}), str(alone))
+        group = [r for r in merged if r["num_layers"] == layers]
+        assert without(group, "run", "num_layers") == without(read_metrics(str(alone)), "run")
+    table = capsys.readouterr().out
+    assert "   L beta_a beta_f" in table and "\n   2      1      1    1 " in table
+
+
+@pytest.mark.slow
+def test_a_depth_sweep_resumes_across_groups(tmp_path):
+    depths = {"sweep.num_layers": (2, 1)}
+    train.run(tiny(**depths, **{"train.num_steps": 40}), str(tmp_path / "straight"))
+    train.run(tiny(**depths), str(tmp_path / "resumed"))  # 20 steps, then extended to 40
+    train.run(tiny(**depths, **{"train.num_steps": 40}), str(tmp_path / "resumed"))
+    straight = (tmp_path / "straight" / METRICS_FILE).read_text()
+    assert (tmp_path / "resumed" / METRICS_FILE).read_text() == straight
+    assert sorted(os.listdir(tmp_path / "resumed")) == sorted(os.listdir(tmp_path / "straight"))

@@ -241,3 +241,25 @@ def largest_collective_elements(hlo_text: str) -> int:
         operand_sizes = [sizes.get(o, 0) for o in re.findall(r"%([^\s,)]+)", operands)]
         largest = max(largest, sizes[name], _max_elements(operands), *operand_sizes)
     return largest
+
+
+def collapse_residual(x: jax.Array, row_mask: jax.Array | None = None) -> jax.Array:
+    """Dong et al. (2021)'s rank-collapse residual, mean over samples, per run and layer.
+
+    res(X_p) = ‖X_p − 1 x̄_pᵀ‖_F / ‖X_p‖_F, x̄_p the mean row (the best constant row in Frobenius
+    norm) of sample p's real rows: 0 when every token's row is the same (rank collapse), near 1
+    for unstructured rows.
+
+    Args:
+      x: (R, L, P, M, d). row_mask: (R, P, M), 1 on real rows (None: all real).
+    Returns:
+      (R, L).
+    """
+    mask = jnp.ones(x.shape[:1] + x.shape[2:4], x.dtype) if row_mask is None else row_mask
+    mask = mask.astype(x.dtype)[:, None, :, :, None]  # (R, 1, P, M, 1)
+    count = jnp.maximum(jnp.sum(mask, axis=-2, keepdims=True), 1)
+    mean_row = jnp.sum(x * mask, axis=-2, keepdims=True) / count
+    centred = jnp.sum(jnp.square((x - mean_row) * mask), axis=(-2, -1))
+    total = jnp.sum(jnp.square(x * mask), axis=(-2, -1))
+    ratio = jnp.sqrt(centred / jnp.maximum(total, jnp.finfo(x.dtype).tiny))
+    return jnp.mean(ratio, axis=-1)

@@ -17,6 +17,7 @@ import optax
 
 from resconv_jax import theory
 from resconv_jax.models.interface import Model
+from resconv_jax.probe import collapse_residual
 
 
 def make_optimizer(optim_cfg) -> optax.GradientTransformation:
@@ -119,6 +120,8 @@ def make_step_functions(
     `probe(attn, z)` maps the (R, L, P, M, d) intermediates of the call's first step to a dict of
     (R, L) arrays, returned as buffers of shape (1, R, L). No second forward pass: the
     intermediates come from that step's loss. Padding rows (the model's "row_mask") are zeroed.
+    With the probe, also Dong et al.'s rank-collapse residual of Attn and Z per layer, over real
+    rows (`probe.collapse_residual`: keys "attn/collapse_residual", "z/collapse_residual").
 
     `runs_per_chunk` > 0 steps the runs that many at a time (`jax.lax.map` over the run axis,
     vmapped within a chunk) instead of all at once: the same results up to float rounding, with
@@ -182,6 +185,11 @@ def make_step_functions(
         state, buffers = jax.lax.fori_loop(1, num_steps, body, (state, buffers))
         if probe is not None:
             probed = probe(*_masked(inter))
+            mask = inter.get("row_mask")
+            probed |= {
+                f"{name}/collapse_residual": collapse_residual(inter[name], mask)
+                for name in ("attn", "z")
+            }
             floats = metrics["loss"].dtype  # a float64 probe of a float32 model stays float64
             buffers |= {
                 k: v.astype(jnp.promote_types(floats, v.dtype))[None] for k, v in probed.items()

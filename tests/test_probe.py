@@ -188,3 +188,22 @@ def test_one_device_mesh_probe_needs_no_qr_for_a_wide_stacked_matrix():
         np.testing.assert_allclose(value, without_mesh[key], rtol=1e-6, err_msg=key)
     tall = jnp.asarray(rng.standard_normal((2, 1, 8, 8, 16)), jnp.float32)
     assert "geqrf" in on_mesh.lower(tall, tall).compile().as_text()
+
+
+def test_collapse_residual_is_zero_for_identical_rows_and_ignores_padding():
+    from resconv_jax.probe import collapse_residual
+
+    rng = np.random.default_rng(0)
+    row = rng.standard_normal((1, 1, 3, 1, 5))
+    collapsed = np.broadcast_to(row, (1, 1, 3, 4, 5)).copy()  # (R, L, P, M, d), rows all equal
+    noisy = rng.standard_normal((1, 1, 3, 4, 5))
+    x = np.concatenate([collapsed, noisy], axis=1)  # layer 0 collapsed, layer 1 not
+    res = np.asarray(collapse_residual(jnp.asarray(x)))
+    assert res.shape == (1, 2) and res[0, 0] < 1e-6 and 0.5 < res[0, 1] <= 1.0
+    padded = x.copy()
+    padded[:, :, :, 3] = 1e3  # garbage in the padding row
+    mask = np.ones((1, 3, 4), np.float32)
+    mask[:, :, 3] = 0
+    expected = np.asarray(collapse_residual(jnp.asarray(x[:, :, :, :3])))
+    got = np.asarray(collapse_residual(jnp.asarray(padded), jnp.asarray(mask)))
+    np.testing.assert_allclose(got, expected, rtol=1e-5)

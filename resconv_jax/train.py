@@ -35,6 +35,10 @@ from resconv_jax.metrics import (
     valid_prefix,
 )
 from resconv_jax.models import Model, build_model
+from resconv_jax.report_classification import (
+    format_accuracy_table,
+    write_classification_report,
+)
 from resconv_jax.runners import ChunkRunners, check_runs_per_chunk
 from resconv_jax.step import (
     init_opt_state,
@@ -302,6 +306,9 @@ def _write_summary(config, workdir: str, history: list[dict], summaries: list[di
     rows = report.write_reports(workdir, history, config.report.loss_threshold, floor)
     if len(rows) > 1:
         print(report.format_beta_table(rows), flush=True)
+    if any("error" in line for line in history):
+        accuracy = write_classification_report(workdir, history)
+        print(format_accuracy_table(accuracy), flush=True)
 
 
 def _run_locked(config, workdir: str, dataset, runs) -> list[dict]:

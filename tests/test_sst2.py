@@ -330,4 +330,8 @@ def test_sst2_config_trains_a_tiny_random_gpt2(tmp_path):
     assert all(0.0 <= r["error"] <= 1.0 and 0.0 <= r["val_error"] <= 1.0 for r in last)
     first = [r for r in read_metrics(str(tmp_path)) if r["step"] == 0]
     assert all(r["layer0/z/sigma_max"] > 0 for r in first)
-    assert (tmp_path / "beta_table.csv").exists() and (tmp_path / "loss_by_beta.png").exists()
+    for name in ("beta_table.csv", "loss_by_beta.png", "errors.png", "accuracy_table.csv"):
+        assert (tmp_path / name).exists(), name
+    layers = (tmp_path / "layers_table.csv").read_text().splitlines()
+    assert len(layers) == 1 + 2 * 1 + 2 * 2  # header, then one row per run and layer
+    assert "z/collapse_residual/start" in layers[0]

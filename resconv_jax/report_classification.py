@@ -1,0 +1,111 @@
+"""The classification report (SST-2): errors against step, accuracy and per-layer conditioning.
+
+Written, from the metrics lines, next to the per-β table whenever the runs log a training error:
+`errors.png` (training loss and training / validation error against step, one curve per run),
+`accuracy_table.csv` (one row per (L, β): final training error and validation accuracy, means over
+seeds) and `layers_table.csv` (one row per run and layer: σ_min(Z)/‖Z‖_F and the rank-collapse
+residual of Attn and Z at the first and the last probed step).
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from resconv_jax.report import _beta_label, _group_key, _runs, save_figure  # noqa: E402
+from resconv_jax.summary import series  # noqa: E402
+from resconv_jax.workdir import atomic_open  # noqa: E402
+
+LAYER_KEYS = ("z/sigma_min_over_fro", "z/collapse_residual", "attn/collapse_residual")
+
+
+def plot_errors(history: list[dict], path: str) -> None:
+    """Training loss (log scale) and training error (—) / validation error (⋯) against step."""
+    fig, (ax_loss, ax_error) = plt.subplots(1, 2, figsize=(11, 4.2))
+    runs = _runs(history)
+    colors = plt.cm.viridis(np.linspace(0, 0.9, max(len(runs), 1)))
+    for color, run in zip(colors, runs, strict=True):
+        label = f"{_beta_label(run)}, seed {run['seed']}"
+        ax_loss.semilogy(*series(history, run["run"], "loss"), color=color, label=label)
+        ax_error.plot(*series(history, run["run"], "error"), color=color, label=label)
+        steps, val = series(history, run["run"], "val_error")
+        if val.size:
+            ax_error.plot(steps, val, ":", color=color)
+    ax_loss.set(xlabel="step", ylabel="training loss", title="Loss (log scale)")
+    ax_error.set(xlabel="step", ylabel="error", title="Training error (—), validation error (⋯)")
+    ax_loss.legend(fontsize=7)
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+def accuracy_rows(history: list[dict]) -> list[dict]:
+    """One row per (L, β_a, β_f): final training error and validation accuracy, mean over seeds."""
+    groups: dict[tuple, list[dict]] = {}
+    for run in _runs(history):
+        error = series(history, run["run"], "error")[1]
+        val = series(history, run["run"], "val_error")[1]
+        groups.setdefault(_group_key(run), []).append(
+            {
+                "final_error": error[-1] if error.size else np.nan,
+                "final_val_accuracy": 1.0 - val[-1] if val.size else np.nan,
+            }
+        )
+    rows = []
+    for (layers, beta_attn, beta_ffn), members in sorted(groups.items()):
+        row = {"num_layers": layers, "beta_attn": beta_attn, "beta_ffn": beta_ffn}
+        row["runs"] = len(members)
+        for key in members[0]:
+            row[key] = float(np.mean([m[key] for m in members]))
+        rows.append(row)
+    return rows
+
+
+def layer_rows(history: list[dict]) -> list[dict]:
+    """One row per run and layer: LAYER_KEYS at the first and the last probed step."""
+    rows = []
+    for run in _runs(history):
+        for layer in range(run.get("num_layers", 1) or 1):
+            row = {"run": run["run"], "num_layers": run.get("num_layers", 0), "layer": layer}
+            row |= {"beta_attn": run["beta_attn"], "seed": run["seed"]}
+            for key in LAYER_KEYS:
+                values = series(history, run["run"], f"layer{layer}/{key}")[1]
+                row[f"{key}/start"] = values[0] if values.size else np.nan
+                row[f"{key}/end"] = values[-1] if values.size else np.nan
+            rows.append(row)
+    return rows
+
+
+def _write_csv(path: str, rows: list[dict]) -> None:
+    with atomic_open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def write_classification_report(workdir: str, history: list[dict]) -> list[dict]:
+    """errors.png, accuracy_table.csv and layers_table.csv in `workdir`; the accuracy rows."""
+    plot_errors(history, os.path.join(workdir, "errors.png"))
+    rows = accuracy_rows(history)
+    _write_csv(os.path.join(workdir, "accuracy_table.csv"), rows)
+    _write_csv(os.path.join(workdir, "layers_table.csv"), layer_rows(history))
+    return rows
+
+
+def format_accuracy_table(rows: list[dict]) -> str:
+    """The per-(L, β) accuracy table as printed at the end of a run."""
+    lines = [
+        "per-(L, β) accuracy (means over runs):",
+        f"{'L':>3} {'beta_a':>6} {'beta_f':>6} {'runs':>4} {'train error':>11} {'val acc':>8}",
+    ]
+    for row in rows:
+        lines.append(
+            f"{row['num_layers'] or '-':>3} {row['beta_attn']:>6g} {row['beta_ffn']:>6g} "
+            f"{row['runs']:>4d} {row['final_error']:>11.4f} {row['final_val_accuracy']:>8.4f}"
+        )
+    return "\n".join(lines)

@@ -9,6 +9,7 @@ non-finite loss) is reported in one line and the one before it is tried.
 from __future__ import annotations
 
 import errno
+import logging as std_logging
 import os
 import sys
 from collections.abc import Callable
@@ -67,12 +68,24 @@ def _from_abandoned_io(unraisable) -> bool:
     return isinstance(value, RuntimeError) and str(value) == "Event loop is closed"
 
 
+def orbax_io_debris(record) -> bool:
+    """A logging filter (True: keep) that drops, from stderr, the ERROR records a failed Orbax
+    write leaves: its writer threads' own tracebacks, and asyncio's "Task exception was never
+    retrieved" for Orbax's coroutines. The failure reaches the user as one WorkdirWriteError."""
+    if record.levelno < std_logging.ERROR:
+        return True
+    orbax = f"{os.sep}orbax{os.sep}"
+    return not (orbax in record.pathname or orbax in record.getMessage())
+
+
 def _quiet_failed_io() -> None:
     """After a failed save or restore (reported in one line), its debris goes to the log, not to
     stderr as tracebacks; every other unraisable exception is printed as before."""
     previous = sys.unraisablehook
     if getattr(previous, "quiets_failed_restores", False):
         return
+    for name in ("absl", "asyncio"):
+        std_logging.getLogger(name).addFilter(orbax_io_debris)
 
     def hook(unraisable):
         if _from_abandoned_io(unraisable):

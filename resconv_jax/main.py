@@ -13,7 +13,6 @@ Runs (or resumes) the config's sweep in DIR. Every failure is one line on stderr
 
 from __future__ import annotations
 
-import logging as std_logging
 import os
 import sys
 
@@ -29,6 +28,7 @@ from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from resconv_jax import train  # noqa: E402
+from resconv_jax.checkpoint import orbax_io_debris  # noqa: E402
 from resconv_jax.summary import format_summary  # noqa: E402
 from resconv_jax.validation import ConfigError, wants_float64  # noqa: E402
 from resconv_jax.workdir import WorkdirBusy, WorkdirWriteError  # noqa: E402
@@ -109,12 +109,6 @@ def _stopped_before_start() -> None:
         sys.exit(0)
 
 
-def _orbax_errors_are_ours(record) -> bool:
-    """A logging filter: Orbax's ERROR records (tracebacks from its writer threads) are dropped
-    from stderr; the failure they describe reaches the user as one WorkdirWriteError line."""
-    return not (record.levelno >= std_logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname)
-
-
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         _fail(f"unexpected arguments: {' '.join(argv[1:])}", EXIT_BAD_INPUT)
@@ -122,7 +116,7 @@ def main(argv: list[str]) -> None:
     if _is_multi_host_launch():
         jax.distributed.initialize()
     logging.set_verbosity(logging.WARNING)
-    logging.get_absl_handler().addFilter(_orbax_errors_are_ours)
+    logging.get_absl_handler().addFilter(orbax_io_debris)
     try:
         config = _CONFIG.value
         task = config.task

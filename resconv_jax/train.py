@@ -51,7 +51,6 @@ from resconv_jax.sweep import expand_runs, group_runs, run_hparams
 from resconv_jax.validation import ConfigError, check_workdir, validate_config
 from resconv_jax.workdir import (
     CONFIG_FILE,
-    LOCK_FILE,
     WorkdirLock,
     WorkdirWriteError,
     atomic_open,
@@ -121,12 +120,13 @@ def _saved_config(workdir: str, checkpointer: Checkpointer) -> tuple[dict | None
 
 
 def _remove_new_workdir(workdir: str) -> None:
-    """Deletes a workdir this process created, if it holds nothing but the lock (and an empty
-    checkpoints folder): a refused start leaves no trace."""
-    leftovers = set(os.listdir(workdir)) - {LOCK_FILE, "checkpoints"}
-    checkpoints = os.path.join(workdir, "checkpoints")
-    if not leftovers and not (os.path.isdir(checkpoints) and os.listdir(checkpoints)):
-        shutil.rmtree(workdir, ignore_errors=True)
+    """Deletes a workdir this process created if nothing was trained in it: no metrics line and
+    no checkpoint anywhere (a depth sweep's layers_<L>/ included), so a refused start leaves no
+    trace."""
+    for folder, subfolders, files in os.walk(workdir):
+        if METRICS_FILE in files or (os.path.basename(folder) == "checkpoints" and subfolders):
+            return
+    shutil.rmtree(workdir, ignore_errors=True)
 
 
 def run(config, workdir: str) -> list[dict]:

@@ -49,3 +49,13 @@ def test_a_depth_sweep_resumes_across_groups(tmp_path):
     straight = (tmp_path / "straight" / METRICS_FILE).read_text()
     assert (tmp_path / "resumed" / METRICS_FILE).read_text() == straight
     assert sorted(os.listdir(tmp_path / "resumed")) == sorted(os.listdir(tmp_path / "straight"))
+
+
+def test_a_depth_sweep_refused_in_its_first_group_leaves_no_workdir(tmp_path, monkeypatch):
+    from resconv_jax import memory
+    from resconv_jax.validation import ConfigError
+
+    monkeypatch.setattr(memory, "device_available_bytes", lambda device: 1 << 10)
+    with pytest.raises(ConfigError, match="XLA's memory analysis"):
+        train.run(tiny(**{"sweep.num_layers": (1, 2)}), str(tmp_path / "w"))
+    assert not (tmp_path / "w").exists()

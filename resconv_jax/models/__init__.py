@@ -39,7 +39,7 @@ def build_model(model_cfg, dataset) -> Model:
     def init(seed: int) -> dict:
         if shape:  # a random model: all of it from the run's seed
             return gpt2.init_params(cfg, seed)[1]
-        return body | {"head": gpt2.init_params(cfg, seed)[1]["head"]}
+        return body | {"head": gpt2.init_head(cfg, seed)}
 
     origin = "random init (not the pretrained model)" if shape else model_cfg.weights
     return Model(

@@ -254,6 +254,12 @@ class GPT2Classifier(nnx.Module):
         return h, causal[None] & mask.astype(bool)[:, None, :]
 
 
+def init_head(cfg: GPT2Config, seed: int) -> dict:
+    """The classification head of `init_params(cfg, seed)`, {"weight": (d, num_classes)}, drawn
+    alone (the head has its own random stream)."""
+    return nnx.to_pure_dict(nnx.state(ClassifierHead(cfg, rngs=make_rngs(seed))))
+
+
 def init_params(cfg: GPT2Config, seed: int) -> tuple[nnx.GraphDef, dict]:
     """The model's graph definition and GPT-2's random init as a plain nested dict, for `seed`.
 

@@ -176,8 +176,7 @@ def _load_folder(
     graphdef, state = nnx.split(abstract)
     model_shapes = {path: leaf.shape for path, leaf in _flatten(nnx.to_pure_dict(state)).items()}
     body = _read_body(folder / WEIGHTS_FILE, model_shapes, cfg)
-    head = gpt2.ClassifierHead(cfg, rngs=gpt2.make_rngs(seed))
-    flat = {**body, **_flatten({"head": nnx.to_pure_dict(nnx.state(head))})}
+    flat = {**body, **_flatten({"head": gpt2.init_head(cfg, seed)})}
     logging.info(
         "GPT-2 %s from %s; classification head (%d, %d) freshly initialized from seed %d",
         *(_describe(cfg), folder, cfg.n_embd, cfg.num_classes, seed),

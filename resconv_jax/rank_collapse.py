@@ -21,7 +21,6 @@ rank_collapse.png, and config.json.
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import os
@@ -38,7 +37,7 @@ from resconv_jax import probe
 from resconv_jax.linalg import eps_relative_to_float32, small_batches
 from resconv_jax.models import transformer
 from resconv_jax.validation import CHOICES, ConfigError, check_workdir, validate_config
-from resconv_jax.workdir import atomic_open, write_json
+from resconv_jax.workdir import atomic_open, write_csv, write_json
 
 CSV_FILE = "rank_collapse.csv"
 SEEDS_CSV_FILE = "rank_collapse_seeds.csv"
@@ -192,13 +191,6 @@ def _aggregate(per_seed: list[dict]) -> dict:
     return row
 
 
-def _write_csv(path: str, rows: list[dict]) -> None:
-    with atomic_open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-
-
 def _fmt_range(row: dict, column: str) -> str:
     return f"{row[column + '/mean']:.2e} [{row[column + '/min']:.1e}, {row[column + '/max']:.1e}]"
 
@@ -345,8 +337,8 @@ def run(config, workdir: str) -> list[dict]:
 
     os.makedirs(workdir, exist_ok=True)
     write_json(os.path.join(workdir, CONFIG_FILE), json.loads(config.to_json_best_effort()))
-    _write_csv(os.path.join(workdir, CSV_FILE), rows)
-    _write_csv(os.path.join(workdir, SEEDS_CSV_FILE), per_seed)
+    write_csv(os.path.join(workdir, CSV_FILE), rows)
+    write_csv(os.path.join(workdir, SEEDS_CSV_FILE), per_seed)
     title = (
         f"Rank collapse at initialization: d = {d}, M = {n_tokens}, P = {n_samples}, "
         f"{len(seeds)} seed{'s' if len(seeds) > 1 else ''} (band: seed min–max)"

@@ -5,7 +5,6 @@ Written at the end of every training run; `python -m resconv_jax.report WORKDIR`
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import sys
@@ -18,7 +17,7 @@ import numpy as np  # noqa: E402
 
 from resconv_jax.metrics import read_metrics  # noqa: E402
 from resconv_jax.summary import FIT_FLOOR, fit_floor, fit_rate, series  # noqa: E402
-from resconv_jax.workdir import atomic_open  # noqa: E402
+from resconv_jax.workdir import atomic_open, write_csv  # noqa: E402
 
 Z_FRO = "layer0/z/sigma_min_over_fro"
 
@@ -165,10 +164,7 @@ def write_reports(
         plot_loss_by_beta(history, os.path.join(workdir, "loss_by_beta.png"))
         if not np.isnan(rows[0]["z_sigma_min_over_fro_start"]):
             plot_sigma_by_beta(rows, os.path.join(workdir, "sigma_by_beta.png"))
-    with atomic_open(os.path.join(workdir, "beta_table.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(os.path.join(workdir, "beta_table.csv"), rows)
     return [row | {"threshold": threshold} for row in rows]
 
 

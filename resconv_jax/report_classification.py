@@ -9,7 +9,6 @@ residual of Attn and Z at the first and the last probed step).
 
 from __future__ import annotations
 
-import csv
 import os
 
 import matplotlib
@@ -20,7 +19,7 @@ import numpy as np  # noqa: E402
 
 from resconv_jax.report import _beta_label, _group_key, _runs, save_figure  # noqa: E402
 from resconv_jax.summary import series  # noqa: E402
-from resconv_jax.workdir import atomic_open  # noqa: E402
+from resconv_jax.workdir import write_csv  # noqa: E402
 
 LAYER_KEYS = ("z/sigma_min_over_fro", "z/collapse_residual", "attn/collapse_residual")
 
@@ -81,19 +80,12 @@ def layer_rows(history: list[dict]) -> list[dict]:
     return rows
 
 
-def _write_csv(path: str, rows: list[dict]) -> None:
-    with atomic_open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-
-
 def write_classification_report(workdir: str, history: list[dict]) -> list[dict]:
     """errors.png, accuracy_table.csv and layers_table.csv in `workdir`; the accuracy rows."""
     plot_errors(history, os.path.join(workdir, "errors.png"))
     rows = accuracy_rows(history)
-    _write_csv(os.path.join(workdir, "accuracy_table.csv"), rows)
-    _write_csv(os.path.join(workdir, "layers_table.csv"), layer_rows(history))
+    write_csv(os.path.join(workdir, "accuracy_table.csv"), rows)
+    write_csv(os.path.join(workdir, "layers_table.csv"), layer_rows(history))
     return rows
 
 

@@ -9,6 +9,7 @@ written to a temporary file and renamed over the old one, and a failed write sur
 from __future__ import annotations
 
 import contextlib
+import csv
 import errno
 import fcntl
 import json
@@ -93,6 +94,14 @@ def write_json(path: str, value) -> None:
     text = json.dumps(json_safe(value), indent=2, allow_nan=False) + "\n"
     with atomic_open(path) as f:
         f.write(text)
+
+
+def write_csv(path: str, rows: list[dict]) -> None:
+    """`rows` (dicts with the same keys, the first's order) as a CSV with a header, atomically."""
+    with atomic_open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 def read_saved_config(workdir: str) -> dict | None:

@@ -23,7 +23,6 @@ import numpy as np
 from resconv_jax import memory, probe, report, sharding, signals
 from resconv_jax.certificate import Kernel, jacobian_fits, loss_scale, with_kernel_lrs
 from resconv_jax.checkpoint import Checkpointer, checkpoint_losses_finite
-from resconv_jax.config_defaults import base_config
 from resconv_jax.data import load_dataset
 from resconv_jax.divergence import TrainingDiverged, diverged_message, diverging_runs
 from resconv_jax.metrics import (
@@ -274,8 +273,7 @@ def _run_groups(config, workdir: str, dataset, groups) -> list[dict]:
     config_json = json.loads(config.to_json_best_effort())
     saved = read_saved_config(workdir)
     if saved is not None:
-        defaults = json.loads(base_config().to_json_best_effort())
-        check_same_run(workdir, saved, config_json, defaults, CONFIG_FILE)
+        check_same_run(workdir, saved, config_json, CONFIG_FILE)
     if jax.process_index() == 0:
         write_json(os.path.join(workdir, CONFIG_FILE), config_json)
     summaries, lines = [], []
@@ -336,8 +334,7 @@ def _run_locked(config, workdir: str, dataset, runs) -> list[dict]:
         config_json = json.loads(config.to_json_best_effort())
         saved, where = _saved_config(workdir, checkpointer)
         if saved is not None:
-            defaults = json.loads(base_config().to_json_best_effort())
-            check_same_run(workdir, saved, config_json, defaults, where)
+            check_same_run(workdir, saved, config_json, where)
         program = _build(config, dataset, mesh, model, num_outputs, kernel_fits, runs)
         _stop_before_training("compiling")
         if jax.process_index() == 0:

@@ -18,6 +18,7 @@ import os
 import socket
 import time
 
+from resconv_jax.config_defaults import base_config
 from resconv_jax.validation import ConfigError
 
 CONFIG_FILE = "config.json"
@@ -194,13 +195,14 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
-def check_same_run(workdir: str, saved: dict, current: dict, defaults: dict, where: str) -> None:
+def check_same_run(workdir: str, saved: dict, current: dict, where: str) -> None:
     """Raises ConfigError unless `current` may resume the run that `saved` (config JSON) started.
 
     Only RESUMABLE_CHANGES may differ. A field that `saved` lacks (added since the run started)
-    took its value from `defaults` there, if `current` has it. `where` names the saved copy.
+    took its `base_config()` default there, if `current` has it. `where` names the saved copy.
     """
-    saved, current, defaults = _flatten(saved), _flatten(current), _flatten(defaults)
+    defaults = _flatten(json.loads(base_config().to_json_best_effort()))
+    saved, current = _flatten(saved), _flatten(current)
     saved = {k: v for k, v in defaults.items() if k in current} | saved
     changed = [
         k

@@ -16,6 +16,7 @@ standardized val/test values beyond 1000 train stds. Optionally X is lifted by a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gzip
 import http.client
 import os
@@ -28,6 +29,7 @@ from typing import Any
 import ml_collections
 import numpy as np
 
+from resconv_jax.data.fields import int_field
 from resconv_jax.data.jena_csv import (
     JENA_COLUMNS,
     TARGET_COLUMN,
@@ -109,11 +111,7 @@ class JenaSplits:
     lift: np.ndarray | None = None
 
 
-def _int_field(cfg: Any, name: str, default: int, minimum: int) -> int:
-    value = getattr(cfg, name, default)
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
-        raise JenaDataError(f"jena config: {name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
+_int_field = functools.partial(int_field, error=JenaDataError, label="jena")
 
 
 def _check_config(cfg: Any) -> dict[str, Any]:

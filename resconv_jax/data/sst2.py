@@ -34,6 +34,8 @@ import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors
 
+from resconv_jax.data.fields import int_field
+
 __all__ = [
     "EOS_ID",
     "PAD_ID",
@@ -76,6 +78,9 @@ _SHOWN = 40  # characters of a bad field quoted in a message
 
 class SST2DataError(ValueError):
     """Bad SST-2 data or config; the message is one line naming the file and line if known."""
+
+
+_int_field = functools.partial(int_field, error=SST2DataError, label="sst2")
 
 
 def _fail(name: str, problem: str, line: int | None = None) -> SST2DataError:
@@ -147,13 +152,6 @@ def default_sst2_config() -> ml_collections.ConfigDict:
     cfg.seed = 0  # seed of the train-row permutation
     cfg.tfds_data_dir = ""  # tfds data_dir for source=tfds ("" = ~/.cache/resconv_jax/tfds)
     return cfg
-
-
-def _int_field(cfg: Any, name: str, default: int, minimum: int) -> int:
-    value = getattr(cfg, name, default)
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
-        raise SST2DataError(f"sst2 config: {name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
 
 
 def _check_config(cfg: Any) -> dict[str, Any]:

@@ -1,0 +1,16 @@
+"""Checks shared by the data loaders' own config sections (Jena, SST-2)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def int_field(cfg: Any, name: str, default: int, minimum: int, *, error: type, label: str) -> int:
+    """`cfg.name` (or `default` when absent) as an int >= `minimum`, else `error` in one line
+    ("<label> config: <name> must be an integer >= <minimum>, got <value>")."""
+    value = getattr(cfg, name, default)
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
+        raise error(f"{label} config: {name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)

@@ -1,15 +1,13 @@
 """`run(config, workdir)`: data -> mesh -> compiled step -> workdir (lock, checks) -> state
 (restore or init) -> step loop -> summary.
 
-Every run of a sweep advances in one program. The loop hands control back to Python only at log
-steps, where it writes metrics, checks the tangent-kernel certificate, checks for divergence,
-checkpoints, and honours SIGTERM. Everything that can refuse the input (config, data, memory, a
-workdir holding another run) is checked before the first write into the workdir.
+Every run of a sweep (of one depth) advances in one program, stepped by `loop.run_loop`, which
+hands control back to Python only at log steps. Everything that can refuse the input (config,
+data, memory, a workdir holding another run) is checked before the first write into the workdir.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
@@ -24,11 +22,11 @@ from resconv_jax import memory, probe, report, sharding, signals
 from resconv_jax.certificate import Kernel, jacobian_fits, loss_scale, with_kernel_lrs
 from resconv_jax.checkpoint import Checkpointer, checkpoint_losses_finite
 from resconv_jax.data import load_dataset
-from resconv_jax.divergence import TrainingDiverged, diverged_message, diverging_runs
+from resconv_jax.divergence import TrainingDiverged
+from resconv_jax.loop import Preempted, Program, run_loop
 from resconv_jax.metrics import (
     METRICS_FILE,
     MetricsWriter,
-    progress_line,
     read_metrics_lines,
     step_flops,
     valid_prefix,
@@ -51,7 +49,6 @@ from resconv_jax.validation import ConfigError, check_workdir, validate_config
 from resconv_jax.workdir import (
     CONFIG_FILE,
     WorkdirLock,
-    WorkdirWriteError,
     atomic_open,
     check_same_run,
     read_saved_config,
@@ -60,10 +57,6 @@ from resconv_jax.workdir import (
 )
 
 __all__ = ["Preempted", "TrainingDiverged", "run"]
-
-
-class Preempted(RuntimeError):
-    """SIGTERM or a pod preemption: the run stopped at a safe point and can be resumed."""
 
 
 def _init_params(model: Model, runs) -> dict:
@@ -167,30 +160,7 @@ def run(config, workdir: str) -> list[dict]:
         signals.restore(previous_handler)
 
 
-@dataclasses.dataclass
-class _Program:
-    """What the step loop needs: the placed arrays, the compiled chunks and the run settings."""
-
-    runs: list
-    state: object
-    hp: dict
-    x: jax.Array
-    y: jax.Array
-    x_val: jax.Array | None
-    y_val: jax.Array | None
-    description: str  # the model's
-    runners: ChunkRunners
-    evaluate: object
-    error: object  # jitted (params, hp, x, labels) -> (R,) fraction misclassified
-    classification: bool
-    kernel: Kernel | None
-    lambda_max_at_init: object  # () -> (R,) λ_max(K) at initialization, power iteration
-    loss_scale: float
-    flops: float
-    compile_seconds: float
-
-
-def _build(config, dataset, mesh, model: Model, num_outputs: int, kernel_fits, runs) -> _Program:
+def _build(config, dataset, mesh, model: Model, num_outputs: int, kernel_fits, runs) -> Program:
     """Places data and state on the mesh, compiles the chunks, refuses what cannot fit."""
     put_data = functools.partial(sharding.put_tree, sharding=sharding.data_sharding(mesh))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -245,7 +215,7 @@ def _build(config, dataset, mesh, model: Model, num_outputs: int, kernel_fits, r
     t0 = time.perf_counter()
     runners = ChunkRunners(make_fns, probe_fn, config, mesh, (state, hp, x, y))
     memory.check_compiled(runners.largest, mesh)
-    return _Program(
+    return Program(
         runs=runs,
         state=state,
         hp=hp,
@@ -343,7 +313,7 @@ def _run_locked(config, workdir: str, dataset, runs) -> list[dict]:
         program.state = state
         writer = MetricsWriter(workdir, kept)
         try:
-            _loop(config, workdir, program, checkpointer, writer, step, config_json, dataset)
+            run_loop(config, workdir, program, checkpointer, writer, step, config_json, dataset)
         finally:
             writer.close()
     finally:
@@ -355,7 +325,7 @@ def _run_locked(config, workdir: str, dataset, runs) -> list[dict]:
     return summaries
 
 
-def _restore(config, workdir: str, checkpointer: Checkpointer, program: _Program):
+def _restore(config, workdir: str, checkpointer: Checkpointer, program: Program):
     """(step, state, metrics lines kept) of the newest good checkpoint that the metrics cover.
 
     metrics.jsonl must hold every line before the resume step; when it does not (a torn or cut
@@ -383,131 +353,3 @@ def _restore(config, workdir: str, checkpointer: Checkpointer, program: _Program
     step, state, _ = restored
     print(f"resuming from step {step} ({checkpointer.directory})", flush=True)
     return step, state, [line for line in prefix if line[1]["step"] < step]
-
-
-def _resume_hint(checkpointer: Checkpointer) -> str:
-    steps = checkpointer.steps()
-    last = f"step {steps[-1]} in {checkpointer.directory}" if steps else "none"
-    return f"last checkpoint: {last}; free space (or fix the folder) and rerun the same command"
-
-
-def _loop(config, workdir, program, checkpointer, writer, step, config_json, dataset) -> None:
-    """Steps every run from `step` to train.num_steps, one log chunk at a time."""
-    train, p = config.train, program
-    runs, kernel = p.runs, p.kernel
-    print(p.description, flush=True)
-    print(
-        f"{len(runs)} runs, mesh {dict(p.y.sharding.mesh.shape)}, {dataset.description}; "
-        f"compiled in {p.compile_seconds:.1f}s{p.runners.description}; {p.flops:.3g} FLOP per "
-        "step (all runs)",
-        flush=True,
-    )
-    settings = [r.settings() for r in runs]
-    lrs = np.array([r.lr for r in runs])
-    total, start, state = train.num_steps, step, p.state
-    meta = {"config": config_json}
-    try:
-        last_print, last_print_step = time.perf_counter(), step
-        while step < total:
-            if signals.requested() or checkpointer.reached_preemption(step):
-                signals.acknowledge()
-                if step == start:
-                    raise Preempted(
-                        f"SIGTERM before the first step: nothing was trained in this start "
-                        f"(the run is at step {step}); rerun the same command to go on"
-                    )
-                if checkpointer.latest_step() != step:
-                    checkpointer.save(step, state, meta | {"step": step}, force=True)
-                checkpointer.wait()
-                raise Preempted(
-                    f"preempted at step {step}: checkpoint saved in {checkpointer.directory}; "
-                    "rerun the same command to resume"
-                )
-            num = min(train.log_every, total - step)
-            evaluated = _evaluate(p, state["params"])
-            params_at_step = state["params"]
-            certify = kernel is not None and config.theory.every and step % config.theory.every == 0
-            if certify:  # the kernel needs the parameters the chunk is about to donate
-                params_at_step = jax.tree.map(jnp.copy, params_at_step)
-            state, buffers = p.runners.at(step)(state, p.hp, p.x, p.y, jnp.int32(num))
-            buffers = jax.tree.map(np.asarray, buffers)
-            records = _log_records(settings, buffers, num, evaluated)
-            losses = buffers["loss"][:num]
-            if certify and num > 1 and np.isfinite(buffers["loss"][0]).all():
-                contraction = buffers["loss"][1] / buffers["loss"][0]
-                ntk = kernel.records(params_at_step, p.hp, p.x, lrs, contraction)
-                records = [r | n for r, n in zip(records, ntk, strict=True)]
-            writer.write(step, records)
-            if diverging_runs(losses).size:
-                message = _diverged(config, program, checkpointer, writer, step, losses)
-                raise TrainingDiverged(message)
-            step += num
-            checkpointer.save(step, state, meta | {"step": step}, force=step == total)
-            if step % train.print_every == 0 or step == total:
-                now = time.perf_counter()
-                rate = (step - last_print_step) / max(now - last_print, 1e-9)
-                print(progress_line(step, total, buffers["loss"][num - 1], rate), flush=True)
-                writer.scalars(step, {"steps_per_sec": rate, "flops_per_sec": rate * p.flops})
-                last_print, last_print_step = now, step
-        if not writer.history or writer.history[-1]["step"] < total:
-            final = {"loss": np.asarray(p.evaluate(state["params"], p.hp, p.x, p.y))}
-            final |= _evaluate(p, state["params"])
-            writer.write(
-                total, [s | {k: v[r] for k, v in final.items()} for r, s in enumerate(settings)]
-            )
-        checkpointer.wait()
-    except WorkdirWriteError as error:
-        raise WorkdirWriteError(f"{error}; {_resume_hint(checkpointer)}") from None
-
-
-def _evaluate(program: _Program, params) -> dict[str, np.ndarray]:
-    """Per-run values at a log step besides the training loss: the validation loss and, for a
-    classification task, the training and validation errors (fraction misclassified)."""
-    p, values = program, {}
-    if p.x_val is not None:
-        values["val_loss"] = np.asarray(p.evaluate(params, p.hp, p.x_val, p.y_val))
-    if p.classification:
-        values["error"] = np.asarray(p.error(params, p.hp, p.x, p.y))
-        if p.x_val is not None:
-            values["val_error"] = np.asarray(p.error(params, p.hp, p.x_val, p.y_val))
-    return values
-
-
-def _diverged(config, program: _Program, checkpointer, writer, step: int, losses) -> str:
-    kernel = program.kernel
-
-    def lambda_max():
-        if kernel is not None and kernel.lam_max is not None:
-            return kernel.lam_max, "lambda_max from the latest tangent-kernel certificate"
-        return program.lambda_max_at_init(), "lambda_max at initialization, power iteration"
-
-    checkpointer.wait()
-    return diverged_message(
-        losses,
-        step,
-        program.runs,
-        writer.history,
-        checkpointer.steps(),
-        checkpointer.directory,
-        lambda_max,
-        program.loss_scale,
-        bool(config.sweep.lr),
-    )
-
-
-def _log_records(settings: list[dict], buffers: dict, num: int, evaluated: dict) -> list[dict]:
-    """One record per run for the chunk's first step: loss, contraction, probe values, and the
-    `evaluated` values ({name: (R,)}: validation loss, classification errors)."""
-    records = []
-    for r, run_settings in enumerate(settings):
-        record = dict(run_settings)
-        record["loss"] = buffers["loss"][0, r]
-        record["grad_norm"] = buffers["grad_norm"][0, r]
-        if num > 1:
-            record["contraction"] = buffers["loss"][1, r] / buffers["loss"][0, r]
-        record |= {name: values[r] for name, values in evaluated.items()}
-        for key, values in buffers.items():
-            if "/" in key and np.isfinite(values[0, r]).all():
-                record |= {f"layer{i}/{key}": v for i, v in enumerate(values[0, r])}
-        records.append(record)
-    return records

@@ -1,0 +1,178 @@
+"""The step loop of one compiled program: from a step to train.num_steps, one log chunk at a time.
+
+At each log step it writes the metrics lines (with the validation loss and, for classification,
+the errors), checks the tangent-kernel certificate, stops a diverging run with one line, saves
+checkpoints, and honours SIGTERM / pod preemption.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from resconv_jax import signals
+from resconv_jax.certificate import Kernel
+from resconv_jax.checkpoint import Checkpointer
+from resconv_jax.divergence import TrainingDiverged, diverged_message, diverging_runs
+from resconv_jax.metrics import progress_line
+from resconv_jax.runners import ChunkRunners
+from resconv_jax.workdir import WorkdirWriteError
+
+
+class Preempted(RuntimeError):
+    """SIGTERM or a pod preemption: the run stopped at a safe point and can be resumed."""
+
+
+@dataclasses.dataclass
+class Program:
+    """What the step loop needs: the placed arrays, the compiled chunks and the run settings."""
+
+    runs: list
+    state: object
+    hp: dict
+    x: jax.Array
+    y: jax.Array
+    x_val: jax.Array | None
+    y_val: jax.Array | None
+    description: str  # the model's
+    runners: ChunkRunners
+    evaluate: object
+    error: object  # jitted (params, hp, x, labels) -> (R,) fraction misclassified
+    classification: bool
+    kernel: Kernel | None
+    lambda_max_at_init: object  # () -> (R,) λ_max(K) at initialization, power iteration
+    loss_scale: float
+    flops: float
+    compile_seconds: float
+
+
+def _resume_hint(checkpointer: Checkpointer) -> str:
+    steps = checkpointer.steps()
+    last = f"step {steps[-1]} in {checkpointer.directory}" if steps else "none"
+    return f"last checkpoint: {last}; free space (or fix the folder) and rerun the same command"
+
+
+def run_loop(config, workdir, program, checkpointer, writer, step, config_json, dataset) -> None:
+    """Steps every run from `step` to train.num_steps, one log chunk at a time."""
+    train, p = config.train, program
+    runs, kernel = p.runs, p.kernel
+    print(p.description, flush=True)
+    print(
+        f"{len(runs)} runs, mesh {dict(p.y.sharding.mesh.shape)}, {dataset.description}; "
+        f"compiled in {p.compile_seconds:.1f}s{p.runners.description}; {p.flops:.3g} FLOP per "
+        "step (all runs)",
+        flush=True,
+    )
+    settings = [r.settings() for r in runs]
+    lrs = np.array([r.lr for r in runs])
+    total, start, state = train.num_steps, step, p.state
+    meta = {"config": config_json}
+    try:
+        last_print, last_print_step = time.perf_counter(), step
+        while step < total:
+            if signals.requested() or checkpointer.reached_preemption(step):
+                signals.acknowledge()
+                if step == start:
+                    raise Preempted(
+                        f"SIGTERM before the first step: nothing was trained in this start "
+                        f"(the run is at step {step}); rerun the same command to go on"
+                    )
+                if checkpointer.latest_step() != step:
+                    checkpointer.save(step, state, meta | {"step": step}, force=True)
+                checkpointer.wait()
+                raise Preempted(
+                    f"preempted at step {step}: checkpoint saved in {checkpointer.directory}; "
+                    "rerun the same command to resume"
+                )
+            num = min(train.log_every, total - step)
+            evaluated = _evaluate(p, state["params"])
+            params_at_step = state["params"]
+            certify = kernel is not None and config.theory.every and step % config.theory.every == 0
+            if certify:  # the kernel needs the parameters the chunk is about to donate
+                params_at_step = jax.tree.map(jnp.copy, params_at_step)
+            state, buffers = p.runners.at(step)(state, p.hp, p.x, p.y, jnp.int32(num))
+            buffers = jax.tree.map(np.asarray, buffers)
+            records = _log_records(settings, buffers, num, evaluated)
+            losses = buffers["loss"][:num]
+            if certify and num > 1 and np.isfinite(buffers["loss"][0]).all():
+                contraction = buffers["loss"][1] / buffers["loss"][0]
+                ntk = kernel.records(params_at_step, p.hp, p.x, lrs, contraction)
+                records = [r | n for r, n in zip(records, ntk, strict=True)]
+            writer.write(step, records)
+            if diverging_runs(losses).size:
+                message = _diverged(config, program, checkpointer, writer, step, losses)
+                raise TrainingDiverged(message)
+            step += num
+            checkpointer.save(step, state, meta | {"step": step}, force=step == total)
+            if step % train.print_every == 0 or step == total:
+                now = time.perf_counter()
+                rate = (step - last_print_step) / max(now - last_print, 1e-9)
+                print(progress_line(step, total, buffers["loss"][num - 1], rate), flush=True)
+                writer.scalars(step, {"steps_per_sec": rate, "flops_per_sec": rate * p.flops})
+                last_print, last_print_step = now, step
+        if not writer.history or writer.history[-1]["step"] < total:
+            final = {"loss": np.asarray(p.evaluate(state["params"], p.hp, p.x, p.y))}
+            final |= _evaluate(p, state["params"])
+            writer.write(
+                total, [s | {k: v[r] for k, v in final.items()} for r, s in enumerate(settings)]
+            )
+        checkpointer.wait()
+    except WorkdirWriteError as error:
+        raise WorkdirWriteError(f"{error}; {_resume_hint(checkpointer)}") from None
+
+
+def _evaluate(program: Program, params) -> dict[str, np.ndarray]:
+    """Per-run values at a log step besides the training loss: the validation loss and, for a
+    classification task, the training and validation errors (fraction misclassified)."""
+    p, values = program, {}
+    if p.x_val is not None:
+        values["val_loss"] = np.asarray(p.evaluate(params, p.hp, p.x_val, p.y_val))
+    if p.classification:
+        values["error"] = np.asarray(p.error(params, p.hp, p.x, p.y))
+        if p.x_val is not None:
+            values["val_error"] = np.asarray(p.error(params, p.hp, p.x_val, p.y_val))
+    return values
+
+
+def _diverged(config, program: Program, checkpointer, writer, step: int, losses) -> str:
+    kernel = program.kernel
+
+    def lambda_max():
+        if kernel is not None and kernel.lam_max is not None:
+            return kernel.lam_max, "lambda_max from the latest tangent-kernel certificate"
+        return program.lambda_max_at_init(), "lambda_max at initialization, power iteration"
+
+    checkpointer.wait()
+    return diverged_message(
+        losses,
+        step,
+        program.runs,
+        writer.history,
+        checkpointer.steps(),
+        checkpointer.directory,
+        lambda_max,
+        program.loss_scale,
+        bool(config.sweep.lr),
+    )
+
+
+def _log_records(settings: list[dict], buffers: dict, num: int, evaluated: dict) -> list[dict]:
+    """One record per run for the chunk's first step: loss, contraction, probe values, and the
+    `evaluated` values ({name: (R,)}: validation loss, classification errors)."""
+    records = []
+    for r, run_settings in enumerate(settings):
+        record = dict(run_settings)
+        record["loss"] = buffers["loss"][0, r]
+        record["grad_norm"] = buffers["grad_norm"][0, r]
+        if num > 1:
+            record["contraction"] = buffers["loss"][1, r] / buffers["loss"][0, r]
+        record |= {name: values[r] for name, values in evaluated.items()}
+        for key, values in buffers.items():
+            if "/" in key and np.isfinite(values[0, r]).all():
+                record |= {f"layer{i}/{key}": v for i, v in enumerate(values[0, r])}
+        records.append(record)
+    return records

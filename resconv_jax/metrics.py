@@ -25,7 +25,6 @@ from resconv_jax.workdir import atomic_open, writing
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
-RUN_SETTINGS = ("run", "seed", "lr", "beta_attn", "beta_ffn")
 
 
 def read_metrics_lines(workdir: str) -> list[tuple[str, dict]]:
@@ -61,12 +60,12 @@ def valid_prefix(
     """The longest prefix of `lines` that a run of `settings` can have written, and its reach.
 
     A valid file starts at step 0, holds one line per run at every logged step (runs in order,
-    each with its own settings), and its steps rise by at most `log_every`. Returns (prefix,
+    each with all of its `settings`: index, seed, lr, β, depth), and its steps rise by at most
+    `log_every`. Returns (prefix,
     reach): a resume from any step <= reach finds every line it needs before that step; a
     file with no valid line has reach 0.
     """
     num_runs = len(settings)
-    expected = [{k: s[k] for k in RUN_SETTINGS} for s in settings]
     prefix, last_step = [], None
     for start in range(0, len(lines) - num_runs + 1, num_runs):
         block = lines[start : start + num_runs]
@@ -74,8 +73,8 @@ def valid_prefix(
         gap_ok = step == 0 if last_step is None else 0 < step - last_step <= log_every
         same_step = all(record["step"] == step for _, record in block)
         labelled = all(
-            {k: record.get(k) for k in RUN_SETTINGS} == want
-            for (_, record), want in zip(block, expected, strict=True)
+            {k: record.get(k) for k in want} == want
+            for (_, record), want in zip(block, settings, strict=True)
         )
         if not (gap_ok and same_step and labelled):
             break

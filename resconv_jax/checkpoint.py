@@ -79,10 +79,11 @@ def orbax_io_debris(record) -> bool:
 
 
 def _quiet_failed_io() -> None:
-    """After a failed save or restore (reported in one line), its debris goes to the log, not to
-    stderr as tracebacks; every other unraisable exception is printed as before."""
+    """Installs, once, the filters that send a failed save's or restore's debris (reported in one
+    line) to the log rather than to stderr as tracebacks: `orbax_io_debris` on the absl and
+    asyncio loggers, and an unraisable hook; every other record and unraisable is as before."""
     previous = sys.unraisablehook
-    if getattr(previous, "quiets_failed_restores", False):
+    if getattr(previous, "quiets_failed_io", False):
         return
     for name in ("absl", "asyncio"):
         std_logging.getLogger(name).addFilter(orbax_io_debris)
@@ -93,7 +94,7 @@ def _quiet_failed_io() -> None:
         else:
             previous(unraisable)
 
-    hook.quiets_failed_restores = True
+    hook.quiets_failed_io = True
     sys.unraisablehook = hook
 
 
@@ -117,7 +118,7 @@ class Checkpointer:
 
     def __init__(self, workdir: str, *, every: int, keep: int, use_async: bool):
         self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
-        _quiet_failed_io()  # a failed save's debris can come before its exception
+        _quiet_failed_io()  # installed up front: a failed save's debris precedes its exception
         options = ocp.CheckpointManagerOptions(
             save_interval_steps=every,
             max_to_keep=keep,
@@ -154,7 +155,6 @@ class Checkpointer:
         try:
             return self._manager.save(step, args=args, force=force)
         except Exception as error:  # noqa: BLE001 - Orbax wraps I/O failures in several types
-            _quiet_failed_io()
             raise WorkdirWriteError(
                 f"cannot save the checkpoint of step {step} in {self.directory} "
                 f"({_first_line(error)})"
@@ -214,7 +214,6 @@ class Checkpointer:
             restored = self._manager.restore(step, args=args)
         except Exception as error:  # noqa: BLE001 - any failure to read means unusable
             logging.info("checkpoint %d: %s", step, error)
-            _quiet_failed_io()
             reason = _first_line(error) if isinstance(error, OSError) else type(error).__name__
             return f"is unreadable ({reason})", None, {}
         meta = restored.meta if isinstance(restored.meta, dict) else {}
@@ -235,7 +234,6 @@ class Checkpointer:
         try:
             self._manager.wait_until_finished()
         except Exception as error:  # noqa: BLE001 - Orbax wraps I/O failures in several types
-            _quiet_failed_io()
             raise WorkdirWriteError(
                 f"cannot finish saving a checkpoint in {self.directory} ({_first_line(error)})"
             ) from None

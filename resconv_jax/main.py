@@ -28,7 +28,6 @@ from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from resconv_jax import train  # noqa: E402
-from resconv_jax.checkpoint import orbax_io_debris  # noqa: E402
 from resconv_jax.summary import format_summary  # noqa: E402
 from resconv_jax.validation import ConfigError, wants_float64  # noqa: E402
 from resconv_jax.workdir import WorkdirBusy, WorkdirWriteError  # noqa: E402
@@ -116,7 +115,6 @@ def main(argv: list[str]) -> None:
     if _is_multi_host_launch():
         jax.distributed.initialize()
     logging.set_verbosity(logging.WARNING)
-    logging.get_absl_handler().addFilter(orbax_io_debris)
     try:
         config = _CONFIG.value
         task = config.task

@@ -71,7 +71,8 @@ import jax.numpy as jnp  # noqa: E402
 import ml_collections  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from resconv_jax import probe, sharding  # noqa: E402
+from resconv_jax import sharding  # noqa: E402
+from resconv_jax.analysis import probe  # noqa: E402
 from resconv_jax.config_defaults import load_config_file  # noqa: E402
 from resconv_jax.models import transformer  # noqa: E402
 from resconv_jax.step import init_opt_state, make_step_functions  # noqa: E402

@@ -24,7 +24,8 @@ import numpy as np
 
 from benchmarks import common
 from benchmarks.common import SWEEP_BETAS
-from resconv_jax import probe, runners, sharding
+from resconv_jax import runners, sharding
+from resconv_jax.analysis import probe
 from resconv_jax.config_defaults import base_config
 
 VARIANTS = ("library", "chunked", "plain")

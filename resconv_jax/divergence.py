@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from resconv_jax import theory
+from resconv_jax.analysis import theory
 
 
 class TrainingDiverged(RuntimeError):

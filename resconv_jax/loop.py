@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from resconv_jax import signals
-from resconv_jax.certificate import Kernel
+from resconv_jax.analysis.certificate import Kernel
 from resconv_jax.checkpoint import Checkpointer
 from resconv_jax.divergence import TrainingDiverged, diverged_message, diverging_runs
 from resconv_jax.metrics import progress_line

@@ -27,8 +27,8 @@ import jax  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from resconv_jax import train  # noqa: E402
-from resconv_jax.summary import format_summary  # noqa: E402
+from resconv_jax import experiments, train  # noqa: E402
+from resconv_jax.analysis.summary import format_summary  # noqa: E402
 from resconv_jax.validation import ConfigError, wants_float64  # noqa: E402
 from resconv_jax.workdir import WorkdirBusy, WorkdirWriteError  # noqa: E402
 
@@ -117,7 +117,7 @@ def main(argv: list[str]) -> None:
     logging.set_verbosity(logging.WARNING)
     try:
         config = _CONFIG.value
-        task = config.task
+        config.task  # noqa: B018 - config_flags loads the file on first access
     except Exception as error:  # noqa: BLE001 - config_flags defers the config file's errors
         cause = error.__cause__ or error
         _fail(f"--config: loading it failed ({_one_line(cause)})", EXIT_BAD_INPUT)
@@ -126,12 +126,7 @@ def main(argv: list[str]) -> None:
         print("float64 in the config: jax_enable_x64 is on", flush=True)
     _stopped_before_start()
     try:
-        if task == "rank_collapse":
-            from resconv_jax import rank_collapse
-
-            rank_collapse.run(config, _WORKDIR.value)
-            return
-        summaries = train.run(config, _WORKDIR.value)
+        summaries = experiments.run(config, _WORKDIR.value)
     except ConfigError as error:
         _fail(str(error), EXIT_BAD_INPUT)
     except ValueError as error:  # data errors: one line naming the file and the problem

@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from resconv_jax import theory
+from resconv_jax.analysis import theory
+from resconv_jax.analysis.probe import collapse_residual
 from resconv_jax.models.interface import Model
-from resconv_jax.probe import collapse_residual
 
 
 def make_optimizer(optim_cfg) -> optax.GradientTransformation:

@@ -18,8 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from resconv_jax import memory, probe, report, sharding, signals
-from resconv_jax.certificate import Kernel, jacobian_fits, loss_scale, with_kernel_lrs
+from resconv_jax import memory, sharding, signals
+from resconv_jax.analysis import probe
+from resconv_jax.analysis.certificate import Kernel, jacobian_fits, loss_scale, with_kernel_lrs
+from resconv_jax.analysis.summary import fit_floor, run_summaries
 from resconv_jax.checkpoint import Checkpointer, checkpoint_losses_finite
 from resconv_jax.data import load_dataset
 from resconv_jax.divergence import TrainingDiverged
@@ -32,10 +34,6 @@ from resconv_jax.metrics import (
     valid_prefix,
 )
 from resconv_jax.models import Model, build_model
-from resconv_jax.report_classification import (
-    format_accuracy_table,
-    write_classification_report,
-)
 from resconv_jax.runners import ChunkRunners, check_runs_per_chunk
 from resconv_jax.step import (
     init_opt_state,
@@ -43,7 +41,6 @@ from resconv_jax.step import (
     make_optimizer,
     make_step_functions,
 )
-from resconv_jax.summary import fit_floor, run_summaries
 from resconv_jax.sweep import expand_runs, group_runs, run_hparams
 from resconv_jax.validation import ConfigError, check_workdir, validate_config
 from resconv_jax.workdir import (
@@ -56,7 +53,9 @@ from resconv_jax.workdir import (
     writing,
 )
 
-__all__ = ["Preempted", "TrainingDiverged", "run"]
+__all__ = ["SUMMARY_FILE", "Preempted", "TrainingDiverged", "run"]
+
+SUMMARY_FILE = "summary.json"
 
 
 def _init_params(model: Model, runs) -> dict:
@@ -238,8 +237,8 @@ def _build(config, dataset, mesh, model: Model, num_outputs: int, kernel_fits, r
 
 def _run_groups(config, workdir: str, dataset, groups) -> list[dict]:
     """A sweep over depths: each depth's runs are one program, trained in WORKDIR/layers_<L>
-    (checkpoints, metrics, its own report; resumable on its own), one after another; WORKDIR
-    gets the merged metrics.jsonl, summary.json and report."""
+    (checkpoints, metrics, summary; resumable on its own), one after another; WORKDIR gets the
+    merged metrics.jsonl and summary.json."""
     config_json = json.loads(config.to_json_best_effort())
     saved = read_saved_config(workdir)
     if saved is not None:
@@ -259,24 +258,11 @@ def _run_groups(config, workdir: str, dataset, groups) -> list[dict]:
             group_config.sweep.num_layers = ()
         summaries += _run_locked(group_config, group_dir, dataset, runs)
         lines += read_metrics_lines(group_dir)
-    history = [record for _, record in lines]
     if jax.process_index() == 0:
         with atomic_open(os.path.join(workdir, METRICS_FILE)) as f:
             f.writelines(text for text, _ in lines)
-        _write_summary(config, workdir, history, summaries)
+        write_json(os.path.join(workdir, SUMMARY_FILE), summaries)
     return summaries
-
-
-def _write_summary(config, workdir: str, history: list[dict], summaries: list[dict]) -> None:
-    """summary.json, the figures and the per-(L, β) table of a finished sweep in `workdir`."""
-    write_json(os.path.join(workdir, "summary.json"), summaries)
-    floor = fit_floor(config.model.dtype)
-    rows = report.write_reports(workdir, history, config.report.loss_threshold, floor)
-    if len(rows) > 1:
-        print(report.format_beta_table(rows), flush=True)
-    if any("error" in line for line in history):
-        accuracy = write_classification_report(workdir, history)
-        print(format_accuracy_table(accuracy), flush=True)
 
 
 def _run_locked(config, workdir: str, dataset, runs) -> list[dict]:
@@ -321,7 +307,7 @@ def _run_locked(config, workdir: str, dataset, runs) -> list[dict]:
     settings = [r.settings() for r in program.runs]
     summaries = run_summaries(writer.history, settings, fit_floor(config.model.dtype))
     if jax.process_index() == 0:
-        _write_summary(config, workdir, writer.history, summaries)
+        write_json(os.path.join(workdir, SUMMARY_FILE), summaries)
     return summaries
 
 

@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from resconv_jax import linalg, probe
+from resconv_jax.analysis import linalg, probe
 
 
 def make_mesh(shape, axis_type=AxisType.Explicit):
@@ -191,7 +191,7 @@ def test_one_device_mesh_probe_needs_no_qr_for_a_wide_stacked_matrix():
 
 
 def test_collapse_residual_is_zero_for_identical_rows_and_ignores_padding():
-    from resconv_jax.probe import collapse_residual
+    from resconv_jax.analysis.probe import collapse_residual
 
     rng = np.random.default_rng(0)
     row = rng.standard_normal((1, 1, 3, 1, 5))

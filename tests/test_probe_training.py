@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from jax.flatten_util import ravel_pytree
 
-from resconv_jax import probe, sharding, theory, train
+from resconv_jax import sharding, train
+from resconv_jax.analysis import probe, theory
 from resconv_jax.checkpoint import Checkpointer
 from resconv_jax.config_defaults import load_config_file
 from resconv_jax.data import load_dataset

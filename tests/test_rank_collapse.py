@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from resconv_jax import probe, rank_collapse
+from resconv_jax.analysis import probe
 from resconv_jax.config_defaults import load_config_file
+from resconv_jax.experiments import rank_collapse
 from resconv_jax.models import transformer
 from resconv_jax.validation import ConfigError
 

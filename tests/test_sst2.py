@@ -299,7 +299,7 @@ def test_tfds_bad_data_writes_nothing(tmp_path: Path):
 @pytest.mark.slow
 def test_sst2_config_trains_a_tiny_random_gpt2(tmp_path):
     """configs/sst2.py end to end on a tiny random GPT-2: metrics with errors, the per-β table."""
-    from resconv_jax import train
+    from resconv_jax import experiments
     from resconv_jax.config_defaults import load_config_file
     from resconv_jax.metrics import read_metrics
 
@@ -319,7 +319,7 @@ def test_sst2_config_trains_a_tiny_random_gpt2(tmp_path):
     )
     with config.unlocked():
         config.model.gpt2_shape.update(n_embd=16, n_head=2, n_layer=3, n_positions=16)
-    summaries = train.run(config, str(tmp_path))
+    summaries = experiments.run(config, str(tmp_path))
     assert [(s["num_layers"], s["beta_attn"]) for s in summaries] == [
         (1, 0.0),
         (1, 1.0),

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from jax.flatten_util import ravel_pytree
 
-from resconv_jax import theory
-from resconv_jax.summary import FIT_FLOOR, fit_floor, fit_rate
+from resconv_jax.analysis import theory
+from resconv_jax.analysis.summary import FIT_FLOOR, fit_floor, fit_rate
 
 
 def test_contraction_factors():

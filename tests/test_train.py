@@ -9,11 +9,13 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
-from resconv_jax import runners, train
+from resconv_jax import experiments, runners, train
 from resconv_jax.config_defaults import load_config_file
+from resconv_jax.experiments.report import write_run_report
 from resconv_jax.metrics import read_metrics
 from resconv_jax.models import transformer
 from resconv_jax.validation import ConfigError
+from resconv_jax.workdir import WorkdirBusy, WorkdirLock
 
 TINY = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.py")
 
@@ -62,6 +64,23 @@ def test_metrics_lines_carry_run_settings_and_outputs_exist(tmp_path):
     assert [v for s, v in scalars["run1/loss"]] == [r["loss"] for r in records if r["run"] == 1]
     assert [s for s, v in scalars["run2/beta_attn"]] == [0, 5, 10]
     assert len(json.load(open(tmp_path / "summary.json"))) == 3
+
+
+def test_the_trainer_writes_no_figure_and_the_experiment_report_does(tmp_path):
+    workdir = str(tmp_path)
+    train.run(tiny(**{"train.num_steps": 10}), workdir)
+    assert not (tmp_path / "beta_table.csv").exists() and not (tmp_path / "training.png").exists()
+    tables = write_run_report(workdir)
+    rows = (tmp_path / "beta_table.csv").read_text().splitlines()
+    assert len(rows) == 1 + 3 and len(tables) == 1 and "per-β table" in tables[0]
+    assert (tmp_path / "training.png").stat().st_size > 0
+    lock = WorkdirLock(workdir)
+    lock.acquire()
+    try:
+        with pytest.raises(WorkdirBusy, match="is in use by PID"):
+            write_run_report(workdir)
+    finally:
+        lock.release()
 
 
 def test_sweep_equals_runs_one_at_a_time(tmp_path):
@@ -191,7 +210,7 @@ def test_resume_refuses_a_different_config(tmp_path):
 def test_short_jena_run_writes_figures_and_table(tmp_path):
     jena = os.path.join(os.path.dirname(TINY), "jena.py")
     small = {"sweep.seed": (0,), "data.num_train": 32, "train.log_every": 5}
-    train.run(load_config_file(jena, **small, **{"train.num_steps": 20}), str(tmp_path))
+    experiments.run(load_config_file(jena, **small, **{"train.num_steps": 20}), str(tmp_path))
     for name in ("loss_by_beta.png", "sigma_by_beta.png", "training.png", "beta_table.csv"):
         assert (tmp_path / name).stat().st_size > 0, name
     rows = (tmp_path / "beta_table.csv").read_text().splitlines()

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from resconv_jax.linalg import small_batches
+from resconv_jax.analysis.linalg import small_batches
 
 SWEEP, DATA = "sweep", "data"
 

@@ -8,7 +8,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from resconv_jax import theory
+from resconv_jax.analysis import theory
 
 
 def loss_scale(config, num_outputs: int) -> float:

@@ -1,13 +1,10 @@
-"""Figures and the per-β table of a run directory, from its metrics lines.
-
-Written at the end of every training run; `python -m resconv_jax.report WORKDIR` rewrites them.
+"""Figures and the per-β table of a run directory, from its metrics lines (every task that trains:
+theory, Jena, SST-2). Written by `experiments.report` at the end of a run.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 
 import matplotlib
 
@@ -15,8 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from resconv_jax.metrics import read_metrics  # noqa: E402
-from resconv_jax.summary import FIT_FLOOR, fit_floor, fit_rate, series  # noqa: E402
+from resconv_jax.analysis.summary import FIT_FLOOR, fit_rate, series  # noqa: E402
 from resconv_jax.workdir import atomic_open, write_csv  # noqa: E402
 
 Z_FRO = "layer0/z/sigma_min_over_fro"
@@ -185,20 +181,3 @@ def format_beta_table(rows: list[dict]) -> str:
             f"{row['z_sigma_min_over_fro_start']:>16.4g} {row['z_sigma_min_over_fro_end']:>9.4g}"
         )
     return "\n".join(lines)
-
-
-def _saved_fit_floor(workdir: str) -> float:
-    """The fit floor of the model dtype in the run's config.json (float32 when it is absent)."""
-    try:
-        with open(os.path.join(workdir, "config.json")) as f:
-            dtype = json.load(f).get("model", {}).get("dtype", "float32")
-    except FileNotFoundError:
-        dtype = "float32"
-    return fit_floor(dtype)
-
-
-if __name__ == "__main__":
-    rows = write_reports(
-        sys.argv[1], read_metrics(sys.argv[1]), floor=_saved_fit_floor(sys.argv[1])
-    )
-    print(format_beta_table(rows))

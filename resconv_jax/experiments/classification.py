@@ -17,8 +17,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from resconv_jax.report import _beta_label, _group_key, _runs, save_figure  # noqa: E402
-from resconv_jax.summary import series  # noqa: E402
+from resconv_jax.analysis.summary import series  # noqa: E402
+from resconv_jax.experiments.regression import _beta_label, _group_key, _runs, save_figure  # noqa: E402
 from resconv_jax.workdir import write_csv  # noqa: E402
 
 LAYER_KEYS = ("z/sigma_min_over_fro", "z/collapse_residual", "attn/collapse_residual")

@@ -33,8 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from resconv_jax import probe
-from resconv_jax.linalg import eps_relative_to_float32, small_batches
+from resconv_jax.analysis import probe
+from resconv_jax.analysis.linalg import eps_relative_to_float32, small_batches
 from resconv_jax.models import transformer
 from resconv_jax.validation import CHOICES, ConfigError, check_workdir, validate_config
 from resconv_jax.workdir import atomic_open, write_csv, write_json

@@ -6,8 +6,8 @@ import math
 
 import numpy as np
 
-from resconv_jax.linalg import eps_relative_to_float32
-from resconv_jax.theory import fit_linear_rate
+from resconv_jax.analysis.linalg import eps_relative_to_float32
+from resconv_jax.analysis.theory import fit_linear_rate
 
 # In float32, below this fraction of the initial loss the rounding of the residuals (~eps·|F|)
 # moves L_{t+1}/L_t by more than ~√eps, which bends the log-linear fit and the certificate checks.

@@ -1,0 +1,71 @@
+"""What a training task reports from its run directory, once `train.run` has finished.
+
+In WORKDIR (and, for a depth sweep, in each WORKDIR/layers_<L>): training.png, loss_by_beta.png,
+sigma_by_beta.png and beta_table.csv from `regression`; when the runs log a classification error,
+errors.png, accuracy_table.csv and layers_table.csv from `classification`. Everything is read back
+from metrics.jsonl and config.json, so `python -m resconv_jax.experiments.report WORKDIR` rewrites
+the same files for any finished (or partly finished) run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from resconv_jax.analysis.summary import fit_floor
+from resconv_jax.experiments import classification, regression
+from resconv_jax.metrics import read_metrics
+from resconv_jax.workdir import CONFIG_FILE, WorkdirLock
+
+
+def _saved_config(workdir: str) -> dict:
+    """The run's config.json as a dict ({} when it is absent)."""
+    try:
+        with open(os.path.join(workdir, CONFIG_FILE)) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {}
+
+
+def _group_dirs(workdir: str) -> list[str]:
+    """A depth sweep's per-depth run directories (layers_<L>, in order of L), else []."""
+    names = [n for n in os.listdir(workdir) if n.startswith("layers_") and n[7:].isdigit()]
+    return [os.path.join(workdir, n) for n in sorted(names, key=lambda n: int(n[7:]))]
+
+
+def _write_one(workdir: str, threshold: float, floor: float) -> list[str]:
+    """The figures and tables of one run directory; returns the tables as printed."""
+    history = read_metrics(workdir)
+    if not history:
+        return []
+    rows = regression.write_reports(workdir, history, threshold, floor)
+    tables = [regression.format_beta_table(rows)] if len(rows) > 1 else []
+    if any("error" in line for line in history):
+        accuracy = classification.write_classification_report(workdir, history)
+        tables.append(classification.format_accuracy_table(accuracy))
+    return tables
+
+
+def write_run_report(workdir: str) -> list[str]:
+    """Every figure and table of the run in `workdir` (and its depth groups), from its files.
+
+    Returns the tables of `workdir` itself, formatted for printing. Raises WorkdirBusy while a
+    run holds the workdir.
+    """
+    config = _saved_config(workdir)
+    threshold = float(config.get("report", {}).get("loss_threshold", 0.0))
+    floor = fit_floor(config.get("model", {}).get("dtype", "float32"))
+    lock = WorkdirLock(workdir)
+    lock.acquire()
+    try:
+        for group_dir in _group_dirs(workdir):
+            _write_one(group_dir, threshold, floor)
+        return _write_one(workdir, threshold, floor)
+    finally:
+        lock.release()
+
+
+if __name__ == "__main__":
+    for table in write_run_report(sys.argv[1]):
+        print(table)

@@ -20,6 +20,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
+from resconv_jax.multihost import to_host
 from resconv_jax.workdir import WorkdirWriteError, describe_os_error
 
 
@@ -53,7 +54,7 @@ def _tree_hashes(tree):
 
 def state_digest(state) -> dict[str, int]:
     """{leaf path: uint32 content hash} of a pytree of (possibly sharded) arrays."""
-    hashes = jax.device_get(_tree_hashes(state))
+    hashes = to_host(_tree_hashes(state))
     flat, _ = jax.tree_util.tree_flatten_with_path(hashes)
     return {jax.tree_util.keystr(path): int(value) for path, value in flat}
 
@@ -225,9 +226,12 @@ class Checkpointer:
             return f"does not match its content hashes (at {', '.join(bad[:3])})", None, {}
         return None, restored.state, meta
 
-    def reached_preemption(self, step: int) -> bool:
-        """Whether the cluster signalled preemption (multi-host pods), agreed on all hosts."""
-        return self._manager.reached_preemption(step)
+    def reached_preemption(self, sync_id: int) -> bool:
+        """Whether the cluster signalled preemption (multi-process runs), agreed on all processes.
+
+        `sync_id` counts this start's calls (0, 1, 2, ...), the same on every process: JAX's sync
+        point is the id after the largest any process had reached when the notice came."""
+        return self._manager.reached_preemption(sync_id)
 
     def wait(self) -> None:
         """Blocks until background saves are on disk; a failed one -> WorkdirWriteError."""

@@ -8,6 +8,7 @@ checkpoints, and honours SIGTERM / pod preemption.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 
 import jax
@@ -19,6 +20,7 @@ from resconv_jax.analysis.certificate import Kernel
 from resconv_jax.checkpoint import Checkpointer
 from resconv_jax.divergence import TrainingDiverged, diverged_message, diverging_runs
 from resconv_jax.metrics import progress_line
+from resconv_jax.multihost import to_host
 from resconv_jax.runners import ChunkRunners
 from resconv_jax.workdir import WorkdirWriteError
 
@@ -73,8 +75,12 @@ def run_loop(config, workdir, program, checkpointer, writer, step, config_json, 
     meta = {"config": config_json}
     try:
         last_print, last_print_step = time.perf_counter(), step
-        while step < total:
-            if signals.requested() or checkpointer.reached_preemption(step):
+        # JAX's preemption sync point counts calls: every process asks at every chunk, with ids
+        # 0, 1, 2, ...; after a SIGTERM to any of them, all agree on the next id.
+        for sync_id in itertools.count():
+            if step >= total:
+                break
+            if signals.requested() or checkpointer.reached_preemption(sync_id):
                 signals.acknowledge()
                 if step == start:
                     raise Preempted(
@@ -95,7 +101,7 @@ def run_loop(config, workdir, program, checkpointer, writer, step, config_json, 
             if certify:  # the kernel needs the parameters the chunk is about to donate
                 params_at_step = jax.tree.map(jnp.copy, params_at_step)
             state, buffers = p.runners.at(step)(state, p.hp, p.x, p.y, jnp.int32(num))
-            buffers = jax.tree.map(np.asarray, buffers)
+            buffers = to_host(buffers)
             records = _log_records(settings, buffers, num, evaluated)
             losses = buffers["loss"][:num]
             if certify and num > 1 and np.isfinite(buffers["loss"][0]).all():
@@ -115,7 +121,7 @@ def run_loop(config, workdir, program, checkpointer, writer, step, config_json, 
                 writer.scalars(step, {"steps_per_sec": rate, "flops_per_sec": rate * p.flops})
                 last_print, last_print_step = now, step
         if not writer.history or writer.history[-1]["step"] < total:
-            final = {"loss": np.asarray(p.evaluate(state["params"], p.hp, p.x, p.y))}
+            final = {"loss": to_host(p.evaluate(state["params"], p.hp, p.x, p.y))}
             final |= _evaluate(p, state["params"])
             writer.write(
                 total, [s | {k: v[r] for k, v in final.items()} for r, s in enumerate(settings)]
@@ -130,11 +136,11 @@ def _evaluate(program: Program, params) -> dict[str, np.ndarray]:
     classification task, the training and validation errors (fraction misclassified)."""
     p, values = program, {}
     if p.x_val is not None:
-        values["val_loss"] = np.asarray(p.evaluate(params, p.hp, p.x_val, p.y_val))
+        values["val_loss"] = to_host(p.evaluate(params, p.hp, p.x_val, p.y_val))
     if p.classification:
-        values["error"] = np.asarray(p.error(params, p.hp, p.x, p.y))
+        values["error"] = to_host(p.error(params, p.hp, p.x, p.y))
         if p.x_val is not None:
-            values["val_error"] = np.asarray(p.error(params, p.hp, p.x_val, p.y_val))
+            values["val_error"] = to_host(p.error(params, p.hp, p.x_val, p.y_val))
     return values
 
 

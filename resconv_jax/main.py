@@ -1,6 +1,9 @@
 """Entry point: python -m resconv_jax.main --config=configs/theory.py --workdir=DIR [--config.x=y].
 
-Runs (or resumes) the config's sweep in DIR. Every failure is one line on stderr; exit statuses:
+Runs (or resumes) the config's sweep in DIR. Several processes (a pod, a cluster, or
+`python -m launch.local`) run the same command, with --coordinator_address, --num_processes and
+--process_id, or in a cluster JAX detects by itself (TPU, srun, mpirun): see multihost.py.
+Every failure is one line on stderr; exit statuses:
 
   0  finished; or stopped by SIGTERM (a checkpoint saved, or nothing trained yet): rerun to go on
   1  a run diverged (the line names the last good checkpoint and a step size to try)
@@ -9,16 +12,20 @@ Runs (or resumes) the config's sweep in DIR. Every failure is one line on stderr
   3  the workdir is in use by another process (the line names its PID and host)
   4  a write into the workdir failed (disk full, vanished, read-only): the last checkpoint and
      every metrics line before it are intact; free space and rerun the same command
+  5  multi-process: another process stopped responding or failed (the line names it); rerun the
+     same command on every process to resume from the last checkpoint
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import traceback
 
 from resconv_jax import signals
 
 # Seen from the first moment: a SIGTERM during the imports below stops the run before it starts.
+# (A multi-process run hands SIGTERM back to JAX's preemption notifier once the flags are read.)
 signals.install()
 # Threaded OpenBLAS inside XLA's own CPU threads slows LAPACK (the probe's QR) ~30x; set first.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -27,16 +34,27 @@ import jax  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from resconv_jax import experiments, train  # noqa: E402
+from resconv_jax import experiments, multihost, train  # noqa: E402
 from resconv_jax.analysis.summary import format_summary  # noqa: E402
 from resconv_jax.validation import ConfigError, wants_float64  # noqa: E402
 from resconv_jax.workdir import WorkdirBusy, WorkdirWriteError  # noqa: E402
 
-EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_BUSY, EXIT_WRITE_FAILED = 1, 2, 3, 4
+EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_BUSY, EXIT_WRITE_FAILED, EXIT_LOST_PROCESS = 1, 2, 3, 4, 5
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to an ml_collections config file.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics); resumes.")
 flags.mark_flags_as_required(["config", "workdir"])
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "HOST:PORT of process 0's coordinator (multi-process runs)."
+)
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in a multi-process run.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index, 0 .. N-1.")
+_HEARTBEAT = flags.DEFINE_integer(
+    "heartbeat_timeout",
+    100,
+    "Seconds without a heartbeat after which a multi-process run counts a process as lost and "
+    "every other process stops.",
+)
 
 
 def _fail(message: str, status: int) -> None:
@@ -109,11 +127,72 @@ def _stopped_before_start() -> None:
 
 
 def main(argv: list[str]) -> None:
+    """Every process of a multi-process run tells the others how it ended (`PeerWatchdog`)."""
+    try:
+        _main(argv)
+    except SystemExit as exit_:
+        status = exit_.code if isinstance(exit_.code, int) else 1
+        _watchdog_finish(status)
+        if _watchdog is not None and status:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)  # not JAX's exit-time shutdown: it waits for every process
+        raise
+    except Exception:
+        if _watchdog is None:
+            raise
+        # Multi-process: a collective fails when another process dies; name it if so (exit 5).
+        _watchdog.wait_for_loss()
+        traceback.print_exc()
+        _watchdog_finish(1)
+        sys.stderr.flush()
+        os._exit(1)  # JAX's exit-time shutdown would wait for the other processes, then abort
+    _watchdog_finish(0)
+
+
+_watchdog: multihost.PeerWatchdog | None = None
+
+
+def _watchdog_finish(status: int) -> None:
+    if _watchdog is not None:
+        _watchdog.finish(status)
+
+
+def _quiet_stdout(print_here: bool) -> None:
+    """Multi-process: every process computes the same lines, so process 0 alone prints them; and
+    no process's fd 1 gets the C++ collectives' chatter ("[Gloo] Rank 3 is connected to 7 peer
+    ranks", per process and device). Errors stay on stderr everywhere."""
+    sys.stdout.flush()
+    kept = os.dup(1) if print_here else None
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.close(devnull)
+    # The file objects live as long as the process.
+    sys.stdout = open(kept, "w") if print_here else open(os.devnull, "w")  # noqa: SIM115
+
+
+def _on_lost_process(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    os._exit(EXIT_LOST_PROCESS)
+
+
+def _main(argv: list[str]) -> None:
+    global _watchdog
     if len(argv) > 1:
         _fail(f"unexpected arguments: {' '.join(argv[1:])}", EXIT_BAD_INPUT)
     _stopped_before_start()
-    if _is_multi_host_launch():
-        jax.distributed.initialize()
+    try:
+        launch = multihost.resolve_launch(
+            _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _HEARTBEAT.value
+        )
+    except ConfigError as error:
+        _fail(str(error), EXIT_BAD_INPUT)
+    if launch.multi_process:
+        signals.uninstall()
+        multihost.initialize(launch)
+        lost_after = max(2.0, launch.heartbeat_timeout_seconds / 2)
+        _watchdog = multihost.PeerWatchdog(_on_lost_process, lost_after).start()
+        _quiet_stdout(print_here=jax.process_index() == 0)
     logging.set_verbosity(logging.WARNING)
     try:
         config = _CONFIG.value
@@ -142,16 +221,6 @@ def main(argv: list[str]) -> None:
         return
     for summary in summaries:
         print(format_summary(summary), flush=True)
-
-
-def _is_multi_host_launch() -> bool:
-    """Whether this process is one of several: a TPU pod, a SLURM job, or a set coordinator."""
-    env = os.environ
-    return bool(
-        env.get("JAX_COORDINATOR_ADDRESS")
-        or "," in env.get("TPU_WORKER_HOSTNAMES", "")
-        or int(env.get("SLURM_NTASKS", "1") or 1) > 1
-    )
 
 
 if __name__ == "__main__":

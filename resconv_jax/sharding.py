@@ -29,6 +29,12 @@ def make_mesh(num_runs: int, num_samples: int, mesh_cfg) -> Mesh:
         raise ConfigError(f"config.mesh.data={data} does not divide the {num_samples} samples")
     if sweep * data > num_devices:
         raise ConfigError(f"mesh {sweep}x{data} needs more than the {num_devices} devices")
+    if jax.process_count() > 1 and sweep * data != num_devices:
+        raise ConfigError(
+            f"mesh {sweep}x{data} uses {sweep * data} of the {num_devices} devices of "
+            f"{jax.process_count()} processes: a multi-process run needs every device in its mesh; "
+            f"set config.mesh.sweep and config.mesh.data so that sweep x data = {num_devices}"
+        )
     devices = np.asarray(jax.devices()[: sweep * data])
     return jax.make_mesh(
         (sweep, data), ("sweep", "data"), (AxisType.Auto, AxisType.Auto), devices=devices

@@ -1,7 +1,9 @@
 """SIGTERM as a request to stop at the next safe point (a log step, or before training starts).
 
 `main.py` installs the handler before it imports JAX, so a SIGTERM at any point of start-up is
-seen; `train.run` installs it too (for library callers) and polls `requested()`.
+seen; `train.run` installs it too (for library callers) and polls `requested()`. Single-process
+runs only: on several processes, a Python handler would hide SIGTERM from JAX's preemption
+notifier, and only the signalled process would stop (see multihost.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,12 @@ def install():
     if threading.current_thread() is not threading.main_thread():
         return None
     return signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def uninstall() -> None:
+    """Gives SIGTERM back to its default (before a multi-process run hands it to JAX)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def restore(previous) -> None:

@@ -17,8 +17,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
-from resconv_jax import memory, sharding, signals
+from resconv_jax import memory, multihost, sharding, signals
 from resconv_jax.analysis import probe
 from resconv_jax.analysis.certificate import Kernel, jacobian_fits, loss_scale, with_kernel_lrs
 from resconv_jax.analysis.summary import fit_floor, run_summaries
@@ -45,7 +46,9 @@ from resconv_jax.sweep import expand_runs, group_runs, run_hparams
 from resconv_jax.validation import ConfigError, check_workdir, validate_config
 from resconv_jax.workdir import (
     CONFIG_FILE,
+    WorkdirBusy,
     WorkdirLock,
+    WorkdirWriteError,
     atomic_open,
     check_same_run,
     read_saved_config,
@@ -110,6 +113,27 @@ def _saved_config(workdir: str, checkpointer: Checkpointer) -> tuple[dict | None
     return None, ""
 
 
+def _lock_on_process_0(workdir: str, lock: WorkdirLock) -> None:
+    """Process 0 creates the workdir and takes its lock; every process learns whether that
+    worked, so that a busy or unwritable workdir stops all of them (with process 0's line)."""
+    failure = None
+    if jax.process_index() == 0:
+        try:
+            with writing(f"--workdir={workdir}"):
+                os.makedirs(workdir, exist_ok=True)
+            lock.acquire()
+        except (WorkdirBusy, WorkdirWriteError) as error:
+            failure = error
+    if jax.process_count() > 1:
+        code = {None: 0, WorkdirBusy: 1, WorkdirWriteError: 2}[type(failure) if failure else None]
+        code = int(multihost_utils.broadcast_one_to_all(np.int32(code)))
+        if code and failure is None:
+            kind = WorkdirBusy if code == 1 else WorkdirWriteError
+            failure = kind(f"--workdir={workdir}: process 0 could not take the workdir")
+    if failure is not None:
+        raise failure
+
+
 def _remove_new_workdir(workdir: str) -> None:
     """Deletes a workdir this process created if nothing was trained in it: no metrics line and
     no checkpoint anywhere (a depth sweep's layers_<L>/ included), so a refused start leaves no
@@ -129,7 +153,7 @@ def run(config, workdir: str) -> list[dict]:
     non-finite loss; WorkdirWriteError when a write fails (the last checkpoint stays good);
     Preempted after SIGTERM (a checkpoint saved, or nothing trained yet).
     """
-    previous_handler = signals.install()
+    previous_handler = signals.install() if jax.process_count() == 1 else None
     try:
         validate_config(config)
         check_workdir(workdir)
@@ -139,10 +163,7 @@ def run(config, workdir: str) -> list[dict]:
         _stop_before_training("loading the data")
         created = not os.path.exists(workdir)
         lock = WorkdirLock(workdir)
-        if jax.process_index() == 0:
-            with writing(f"--workdir={workdir}"):
-                os.makedirs(workdir, exist_ok=True)
-            lock.acquire()
+        _lock_on_process_0(workdir, lock)
         try:
             groups = group_runs(expand_runs(config))
             if len(groups) == 1:
@@ -209,7 +230,7 @@ def _build(config, dataset, mesh, model: Model, num_outputs: int, kernel_fits, r
 
     def lambda_max_at_init():
         initial = sharding.put_tree(_init_params(model, runs), on_runs)
-        return np.asarray(jax.jit(fns.kernel_lambda_max)(initial, hp, x))
+        return multihost.to_host(jax.jit(fns.kernel_lambda_max)(initial, hp, x))
 
     t0 = time.perf_counter()
     runners = ChunkRunners(make_fns, probe_fn, config, mesh, (state, hp, x, y))
@@ -330,7 +351,7 @@ def _restore(config, workdir: str, checkpointer: Checkpointer, program: Program)
 
     def accept(state) -> str | None:
         return checkpoint_losses_finite(
-            np.asarray(program.evaluate(state["params"], program.hp, program.x, program.y))
+            multihost.to_host(program.evaluate(state["params"], program.hp, program.x, program.y))
         )
 
     restored = checkpointer.restore_latest(program.state, max_step=reach, accept=accept)

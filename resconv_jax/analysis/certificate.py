@@ -9,6 +9,7 @@ import jax
 import numpy as np
 
 from resconv_jax.analysis import theory
+from resconv_jax.multihost import to_host
 
 
 def loss_scale(config, num_outputs: int) -> float:
@@ -31,7 +32,7 @@ class Kernel:
     lam_max: np.ndarray | None = None
 
     def records(self, params, hp, x, lrs: np.ndarray, contraction: np.ndarray) -> list[dict]:
-        lam_min, lam_max = (np.asarray(v) for v in self.eigenvalues(params, hp, x))
+        lam_min, lam_max = (to_host(v) for v in self.eigenvalues(params, hp, x))
         self.lam_max = lam_max
         bound = theory.certificate_bound(lrs, lam_min, loss_scale=self.loss_scale, lam_max=lam_max)
         holds = theory.bound_holds(contraction, bound)
@@ -50,6 +51,6 @@ class Kernel:
 
 def with_kernel_lrs(config, runs, kernel: Kernel, params, hp, x):
     """lr_rule="lambda_max": each run's η = lr_factor / (λ_max(K)·loss_scale) at initialization."""
-    _, lam_max = (np.asarray(v) for v in kernel.eigenvalues(params, hp, x))
+    _, lam_max = (to_host(v) for v in kernel.eigenvalues(params, hp, x))
     lrs = config.optim.lr_factor / (lam_max * kernel.loss_scale)
     return [dataclasses.replace(run, lr=float(lr)) for run, lr in zip(runs, lrs, strict=True)]

@@ -37,7 +37,7 @@ from resconv_jax.analysis import probe
 from resconv_jax.analysis.linalg import eps_relative_to_float32, small_batches
 from resconv_jax.models import transformer
 from resconv_jax.validation import CHOICES, ConfigError, check_workdir, validate_config
-from resconv_jax.workdir import atomic_open, write_csv, write_json
+from resconv_jax.workdir import WorkdirLock, atomic_open, write_csv, write_json, writing
 
 CSV_FILE = "rank_collapse.csv"
 SEEDS_CSV_FILE = "rank_collapse_seeds.csv"
@@ -335,15 +335,23 @@ def run(config, workdir: str) -> list[dict]:
             rows.append(_aggregate(seed_rows))
     elapsed = time.perf_counter() - start
 
-    os.makedirs(workdir, exist_ok=True)
-    write_json(os.path.join(workdir, CONFIG_FILE), json.loads(config.to_json_best_effort()))
-    write_csv(os.path.join(workdir, CSV_FILE), rows)
-    write_csv(os.path.join(workdir, SEEDS_CSV_FILE), per_seed)
     title = (
         f"Rank collapse at initialization: d = {d}, M = {n_tokens}, P = {n_samples}, "
         f"{len(seeds)} seed{'s' if len(seeds) > 1 else ''} (band: seed min–max)"
     )
-    plot(os.path.join(workdir, PLOT_FILE), rows, x_ratio, title, dtype)
+    if jax.process_index() != 0:  # several processes: each computed the same rows
+        return rows
+    with writing(f"--workdir={workdir}"):
+        os.makedirs(workdir, exist_ok=True)
+    lock = WorkdirLock(workdir)
+    lock.acquire()
+    try:
+        write_json(os.path.join(workdir, CONFIG_FILE), json.loads(config.to_json_best_effort()))
+        write_csv(os.path.join(workdir, CSV_FILE), rows)
+        write_csv(os.path.join(workdir, SEEDS_CSV_FILE), per_seed)
+        plot(os.path.join(workdir, PLOT_FILE), rows, x_ratio, title, dtype)
+    finally:
+        lock.release()
 
     print(
         f"rank collapse at initialization: X (P={n_samples}, M={n_tokens}, d={d}), "

@@ -1,0 +1,161 @@
+"""N processes of resconv_jax.main on this machine, as on a pod: how tests simulate several hosts.
+
+    python -m launch.local --processes=2 --devices_per_process=4 -- \\
+        --config=configs/jena.py --workdir=workdirs/jena_2x4
+
+Each process gets its own CPU device count, the coordinator runs in process 0 on 127.0.0.1 (a free
+port, bound to loopback only), and every line a process prints is prefixed with its index
+("[1] ..."). SIGTERM and SIGINT are forwarded to every process (a SIGTERM is a pod preemption:
+all of them save at the same step and exit 0). When a process fails, the others are stopped and
+the launcher exits with the first failure's status (128 + N for a process killed by signal N).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+GRACE_SECONDS = 10.0  # after the first failure, how long the others get before SIGKILL
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def process_env(devices: int, base: dict | None = None) -> dict:
+    """The environment of one process: `devices` CPU devices, gloo collectives, and this
+    launcher's XLA flags without any device count of its own."""
+    env = dict(os.environ if base is None else base)
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
+    env["XLA_FLAGS"] = f"{flags.strip()} --xla_force_host_platform_device_count={devices}".strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    env["JAX_NUM_CPU_DEVICES"] = str(devices)
+    env["JAX_CPU_COLLECTIVES_IMPLEMENTATION"] = "gloo"
+    env.setdefault("OPENBLAS_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def commands(num: int, port: int, main_args: list[str], heartbeat: int) -> list[list[str]]:
+    """The command line of every process: main's flags plus the multi-process ones."""
+    address = f"127.0.0.1:{port}"
+    return [
+        [
+            sys.executable,
+            "-m",
+            "resconv_jax.main",
+            *main_args,
+            f"--coordinator_address={address}",
+            f"--num_processes={num}",
+            f"--process_id={index}",
+            f"--heartbeat_timeout={heartbeat}",
+        ]
+        for index in range(num)
+    ]
+
+
+def _pump(stream, out, prefix: str) -> None:
+    for line in iter(stream.readline, ""):
+        out.write(prefix + line)
+        out.flush()
+    stream.close()
+
+
+def exit_status(returncode: int) -> int:
+    """A child's status as a shell reports it: 128 + N when signal N killed it."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def run(num: int, devices: int, main_args: list[str], heartbeat: int = 10) -> int:
+    """Starts the processes, waits for all of them; returns the launcher's exit status."""
+    port = free_port()
+    env = process_env(devices)
+    children, pumps = [], []
+    for index, command in enumerate(commands(num, port, main_args, heartbeat)):
+        child = subprocess.Popen(
+            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        children.append(child)
+        for stream, out in ((child.stdout, sys.stdout), (child.stderr, sys.stderr)):
+            pump = threading.Thread(target=_pump, args=(stream, out, f"[{index}] "), daemon=True)
+            pump.start()
+            pumps.append(pump)
+
+    def forward(signum, frame):
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        first_failure = _wait(children)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for pump in pumps:
+            pump.join(timeout=5)
+    return first_failure
+
+
+def _wait(children: list[subprocess.Popen]) -> int:
+    """Waits for every child; after the first failure, stops the rest (SIGTERM, then SIGKILL)."""
+    failure, deadline = 0, None
+    while any(child.poll() is None for child in children):
+        for index, child in enumerate(children):
+            if child.returncode not in (None, 0) and not failure:
+                failure = exit_status(child.returncode)
+                print(
+                    f"launch.local: process {index} exited with status {failure}; "
+                    "stopping the others",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                for other in children:
+                    if other.poll() is None:
+                        other.terminate()
+                deadline = time.monotonic() + GRACE_SECONDS
+        if deadline is not None and time.monotonic() > deadline:
+            for child in children:
+                if child.poll() is None:
+                    child.kill()
+        time.sleep(0.05)
+    if not failure:
+        failure = next((exit_status(c.returncode) for c in children if c.returncode), 0)
+    return failure
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m launch.local",
+        description="Run resconv_jax.main as N local processes (a simulated pod).",
+    )
+    parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--devices_per_process", type=int, default=4)
+    parser.add_argument(
+        "--heartbeat_timeout",
+        type=int,
+        default=10,
+        help="seconds after which a lost process stops the others (main's --heartbeat_timeout)",
+    )
+    parser.add_argument("main_args", nargs=argparse.REMAINDER, help="-- then main's flags")
+    args = parser.parse_args(argv)
+    main_args = args.main_args[1:] if args.main_args[:1] == ["--"] else args.main_args
+    if args.processes < 1 or args.devices_per_process < 1:
+        parser.error("--processes and --devices_per_process must be >= 1")
+    if not main_args:
+        parser.error("give main's flags after --, e.g. -- --config=configs/jena.py --workdir=DIR")
+    return run(args.processes, args.devices_per_process, main_args, args.heartbeat_timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -35,7 +35,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.head_scale = 1.0  # init scale of W_U (scale²/d)
     c.model.dtype = "float32"  # of weights and activations; "float64" turns on jax_enable_x64
     c.model.beta_attn = 1.0  # β_a: Z = Attn(X) + β_a X (the paper: 1; "no residual": 0)
-    c.model.beta_ffn = 1.0  # β_f: H = relu(Z W_1) W_2 + β_f Z
+    c.model.beta_ffn = 1.0  # β_f: H = σ(Z W_1) W_2 + β_f Z
+    # σ of the paper's Transformer: relu (the paper's), gelu, softplus (smooth: Assumption 1),
+    # identity (a linear control). GPT-2 keeps its own gelu_new.
+    c.model.activation = "relu"
 
     c.data = ml_collections.ConfigDict()
     c.data.name = "synthetic"  # "synthetic", "jena" or "sst2"

@@ -1,5 +1,8 @@
 """The model against an independent NumPy implementation of the paper's equations; one GD step."""
 
+import dataclasses
+import math
+
 import jax
 import jax.flatten_util
 import jax.numpy as jnp
@@ -11,9 +14,19 @@ from resconv_jax.config_defaults import base_config
 from resconv_jax.models import fast_ops, transformer
 from resconv_jax.step import init_opt_state, make_optimizer, make_step_functions
 
+NUMPY_ACTIVATIONS = {
+    "relu": lambda u: np.maximum(u, 0),
+    "gelu": lambda u: 0.5 * u * (1 + np.vectorize(math.erf)(u / math.sqrt(2))),
+    "softplus": lambda u: np.log1p(np.exp(-np.abs(u))) + np.maximum(u, 0),
+    "identity": lambda u: u,
+}
 
-def numpy_forward(params: dict, x: np.ndarray, beta_a: float, beta_f: float) -> np.ndarray:
+
+def numpy_forward(
+    params: dict, x: np.ndarray, beta_a: float, beta_f: float, activation: str = "relu"
+) -> np.ndarray:
     """F(X) per sample, written from paper.md with loops over samples, in float64."""
+    sigma = NUMPY_ACTIVATIONS[activation]
     outputs = []
     for x_p in x.astype(np.float64):
         h = x_p
@@ -23,7 +36,7 @@ def numpy_forward(params: dict, x: np.ndarray, beta_a: float, beta_f: float) -> 
             s = np.exp(logits - logits.max(axis=1, keepdims=True))
             s /= s.sum(axis=1, keepdims=True)
             z = s @ h @ w["w_v"] + beta_a * h
-            h = np.maximum(z @ w["w_1"], 0) @ w["w_2"] + beta_f * z
+            h = sigma(z @ w["w_1"]) @ w["w_2"] + beta_f * z
         outputs.append(h @ np.asarray(params["w_u"], np.float64))
     return np.stack(outputs)
 
@@ -37,6 +50,43 @@ def test_forward_matches_numpy(num_layers, beta):
     out = transformer.apply(graphdef, params, jnp.asarray(x), beta, 0.7 * beta)
     expected = numpy_forward(jax.tree.map(np.asarray, params), x, beta, 0.7 * beta)
     np.testing.assert_allclose(np.asarray(out), expected, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "softplus", "identity"])
+def test_smooth_and_linear_activations_match_numpy(activation):
+    cfg = transformer.ModelConfig(d=6, d_qk=3, d_h=10, d_y=2, num_layers=2, activation=activation)
+    graphdef, params = transformer.init_params(cfg, seed=3)
+    x = np.random.default_rng(0).standard_normal((4, 5, 6)).astype(np.float32)
+    out = transformer.apply(graphdef, params, jnp.asarray(x), 0.5, 1.0)
+    expected = numpy_forward(jax.tree.map(np.asarray, params), x, 0.5, 1.0, activation)
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=2e-5, atol=2e-5)
+    relu = transformer.apply(
+        *transformer.init_params(dataclasses.replace(cfg, activation="relu"), 3), x, 0.5, 1.0
+    )
+    assert not np.allclose(np.asarray(out), np.asarray(relu))  # the activation is really used
+
+
+@pytest.mark.parametrize("activation", ["gelu", "softplus"])
+def test_smooth_activation_gradients_match_finite_differences(activation):
+    with jax.enable_x64(True):
+        cfg = transformer.ModelConfig(
+            d=3, d_qk=2, d_h=4, d_y=1, num_layers=2, activation=activation, dtype="float64"
+        )
+        model = transformer.make_model(cfg)
+        params = model.init(1)
+        rng = np.random.default_rng(0)
+        x, y = jnp.asarray(rng.standard_normal((2, 3, 3))), rng.standard_normal((2, 3, 1))
+        flat, unravel = jax.flatten_util.ravel_pytree(params)
+
+        def loss(v, fast=False):
+            out = transformer.apply(model.graphdef, unravel(v), x, 0.5, 1.0, fast_backward=fast)
+            return 0.5 * jnp.sum((out - y) ** 2)
+
+        eps, basis = 1e-6, np.eye(flat.size)
+        grad_fd = np.array([(loss(flat + eps * e) - loss(flat - eps * e)) / 2 / eps for e in basis])
+        np.testing.assert_allclose(jax.grad(loss)(flat), grad_fd, rtol=1e-6, atol=1e-8)
+        fast = jax.grad(lambda v: loss(v, fast=True))(flat)  # the trainer's backward pass
+        np.testing.assert_allclose(fast, grad_fd, rtol=1e-6, atol=1e-8)
 
 
 def test_intermediates_are_attn_and_z_from_the_same_pass():

@@ -1,13 +1,15 @@
-"""The paper's Transformer: single-head softmax attention and a ReLU MLP, with scaled residuals.
+"""The paper's Transformer: single-head softmax attention and an MLP, with scaled residuals.
 
 For one sample X (M tokens × width d), block l computes (no biases, no LayerNorm, no mask):
 
     S    = softmax_rows(X W_Q W_Kᵀ Xᵀ / sqrt(d_QK))       (M × M)
     A    = S X W_V                                        Attn(X), (M × d)
     Z    = A + β_a X                                      attention output matrix
-    H    = relu(Z W_1) W_2 + β_f Z
+    H    = σ(Z W_1) W_2 + β_f Z
 
-and a stack of L blocks is read out by one head, F = H^{(L)} W_U (M × d_y).
+with σ = `ModelConfig.activation`: relu (the paper's), or a smooth one, gelu (exact, erf) or
+softplus, as the paper's Assumption 1 (a Lipschitz derivative) asks, or the identity (a linear
+control). A stack of L blocks is read out by one head, F = H^{(L)} W_U (M × d_y).
 
 The residual coefficients β_a, β_f are call arguments, not parameters: a sweep over β runs one
 program whose runs share the parameter structure, and the same seed gives the same weights for
@@ -47,6 +49,15 @@ class ModelConfig:
     mlp_scale: float = 1.0
     head_scale: float = 1.0
     dtype: Literal["float32", "float64"] = "float32"  # of the weights (float64 needs x64)
+    activation: Literal["relu", "gelu", "softplus", "identity"] = "relu"  # σ of the MLP
+
+
+ACTIVATIONS = {
+    "relu": jax.nn.relu,
+    "gelu": functools.partial(jax.nn.gelu, approximate=False),
+    "softplus": jax.nn.softplus,
+    "identity": lambda u: u,
+}
 
 
 def model_config(model_cfg, *, d: int, d_y: int) -> ModelConfig:
@@ -63,6 +74,7 @@ def model_config(model_cfg, *, d: int, d_y: int) -> ModelConfig:
         mlp_scale=model_cfg.mlp_scale,
         head_scale=model_cfg.head_scale,
         dtype=model_cfg.dtype,
+        activation=model_cfg.get("activation", "relu"),
     )
 
 
@@ -86,6 +98,7 @@ class Block(nnx.Module):
         self.w_v = gaussian(rngs.params(), (cfg.d, cfg.d), cfg.v_scale, cfg.d)
         self.w_1 = gaussian(rngs.params(), (cfg.d, cfg.d_h), cfg.mlp_scale, cfg.d)
         self.w_2 = gaussian(rngs.params(), (cfg.d_h, cfg.d), cfg.mlp_scale, cfg.d_h)
+        self.activation = cfg.activation
 
     def attention(self, x: jax.Array, *, fast_backward: bool = False) -> jax.Array:
         """Attn(X) for a batch: (P, M, d) -> (P, M, d). See `Transformer` for `fast_backward`."""
@@ -109,7 +122,8 @@ class Block(nnx.Module):
         mm = matmul if fast_backward else jnp.matmul
         attn = self.attention(x, fast_backward=fast_backward)
         z = attn + beta_attn * x
-        h = mm(jax.nn.relu(mm(z, self.w_1[...])), self.w_2[...]) + beta_ffn * z
+        sigma = ACTIVATIONS[self.activation]
+        h = mm(sigma(mm(z, self.w_1[...])), self.w_2[...]) + beta_ffn * z
         return h, attn, z
 
 
@@ -168,6 +182,7 @@ def make_model(cfg: ModelConfig) -> Model:
         init=lambda seed: init_params(cfg, seed)[1],
         description=(
             f"Transformer: {cfg.num_layers} block(s), d={cfg.d}, d_qk={cfg.d_qk}, d_h={cfg.d_h}"
+            + ("" if cfg.activation == "relu" else f", {cfg.activation} MLP")
         ),
         fast_backward=True,
     )

@@ -9,11 +9,13 @@ both residuals) × 3 seeds = 15 runs; every β of a seed starts from the same we
     python -m resconv_jax.main --config=configs/jena.py --workdir=/tmp/jena
 
 runs offline on the bundled slice (2009-2010, hourly, 6 of 14 variables; see
-resconv_jax/data/bundled/JENA_PROVENANCE.md) in a few minutes on 2 CPU cores, and writes
-loss_by_beta.png, sigma_by_beta.png, training.png and beta_table.csv, and prints the per-β table.
+resconv_jax/data/bundled/JENA_PROVENANCE.md) in about 75-100 s on this project's 2-core CPU
+machine, and writes loss_by_beta.png, sigma_by_beta.png, training.png and beta_table.csv, and
+prints the per-β table.
 
-Step size: one η for every run. With the sum loss and P = 256, η = 3e-5 was stable for every β in
-a measured example and 1e-4 diverged for every β (shared/paper.md); we use 3e-5.
+Step size: one η = 4e-6 for every run (`optim.lr`). The paper gives none; with the sum loss and
+P = 256 it is below 2/λ_max(K) at initialization of every run of this sweep (a diverging run
+says which η would be stable).
 
 Full size: the complete record (`--config.data.source=download`, or `=file
 --config.data.path=jena_climate_2009_2016.csv`), all training windows (`--config.data.num_train=-1`,
@@ -32,7 +34,7 @@ def get_config(arg=None):
     config.data.name = "jena"
     config.model.d_qk = 6  # query/key width (= d)
     config.model.d_h = 32  # MLP hidden width
-    config.optim.lr = 4e-6  # below 2/λ_max(K) at init of every run (see docstring)
+    config.optim.lr = 4e-6  # below 2/λ_max(K) at init of every run (see the docstring)
     config.train.num_steps = 2000
     config.train.log_every = 10
     config.train.print_every = 200

@@ -20,6 +20,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
+from resconv_jax import workdir as wd
 from resconv_jax.multihost import to_host
 from resconv_jax.workdir import WorkdirWriteError, describe_os_error
 
@@ -115,10 +116,18 @@ def _first_line(error: BaseException) -> str:
 
 
 class Checkpointer:
-    """Saves the train state (pytree with sharded leaves) under `workdir/checkpoints/<step>`."""
+    """Saves the train state (pytree with sharded leaves) under `workdir/checkpoints/<step>`.
 
-    def __init__(self, workdir: str, *, every: int, keep: int, use_async: bool):
-        self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    `workdir` is a local folder or a `gs://` URL (Orbax writes there itself, through epath and
+    TensorStore). `on_save(step)`, when set, runs before each save starts: the metrics writer's
+    sync, so that a checkpoint never exists before the metrics lines that precede it.
+    """
+
+    def __init__(self, workdir, *, every: int, keep: int, use_async: bool):
+        root = wd.path(workdir)
+        directory = (root.resolve() if wd.is_local(root) else root) / "checkpoints"
+        self.directory = os.fspath(directory)
+        self.on_save: Callable[[int], None] | None = None
         _quiet_failed_io()  # installed up front: a failed save's debris precedes its exception
         options = ocp.CheckpointManagerOptions(
             save_interval_steps=every,
@@ -128,7 +137,7 @@ class Checkpointer:
         )
         try:
             self._manager = ocp.CheckpointManager(
-                self.directory, options=options, item_names=("state", "meta")
+                directory, options=options, item_names=("state", "meta")
             )
         except OSError as error:
             raise WorkdirWriteError(
@@ -147,10 +156,13 @@ class Checkpointer:
     def save(self, step: int, state, meta: dict, *, force: bool = False) -> bool:
         """Saves if `step` is on the interval (or `force`); returns whether a save started.
 
-        `meta` (JSON) gets the state's content hashes. A failed write -> WorkdirWriteError.
+        `meta` (JSON) gets the state's content hashes; `on_save` runs first. A failed write ->
+        WorkdirWriteError.
         """
         if not (force or self._manager.should_save(step)):
             return False
+        if self.on_save is not None:
+            self.on_save(step)
         meta = meta | {"digest": state_digest(state)}
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
         try:

@@ -2,17 +2,20 @@
 
 metrics.jsonl holds one JSON object per run per log step, with the run's index and settings, and
 only quantities that are a function of the computation (no timings), so a resumed run's file is
-identical to an uninterrupted run's. Timings go to TensorBoard and the progress lines. The file is
-only ever appended to, or replaced whole by a rename (`MetricsWriter`), never rewritten in place.
+identical to an uninterrupted run's. Timings go to TensorBoard and the progress lines. In a local
+workdir the file is only ever appended to, or replaced whole by a rename (`MetricsWriter`), never
+rewritten in place; on object storage, which cannot append, it is replaced whole (see there).
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import math
 import os
 import shutil
+import tempfile
 import time
 
 import jax
@@ -21,35 +24,36 @@ from tensorboardX.event_file_writer import EventsWriter
 from tensorboardX.proto.event_pb2 import Event
 from tensorboardX.proto.summary_pb2 import Summary
 
+from resconv_jax import workdir as wd
 from resconv_jax.workdir import atomic_open, writing
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 
 
-def read_metrics_lines(workdir: str) -> list[tuple[str, dict]]:
+def read_metrics_lines(workdir) -> list[tuple[str, dict]]:
     """(text, record) of every complete line of `workdir/metrics.jsonl`, up to the first bad one.
 
     A torn or unparsable line ends the list: what follows it cannot be trusted to be in order."""
-    path = os.path.join(workdir, METRICS_FILE)
-    if not os.path.exists(path):
+    try:
+        data = (wd.path(workdir) / METRICS_FILE).read_bytes()
+    except FileNotFoundError:
         return []
     lines = []
-    with open(path, "rb") as f:
-        for raw in f:
-            if not raw.endswith(b"\n"):
-                break
-            try:
-                record = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                break
-            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-                break
-            lines.append((raw.decode(), record))
+    for raw in io.BytesIO(data):
+        if not raw.endswith(b"\n"):
+            break
+        try:
+            record = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            break
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            break
+        lines.append((raw.decode(), record))
     return lines
 
 
-def read_metrics(workdir: str) -> list[dict]:
+def read_metrics(workdir) -> list[dict]:
     """The records of `read_metrics_lines`."""
     return [record for _, record in read_metrics_lines(workdir)]
 
@@ -107,29 +111,57 @@ class MetricsWriter:
     events are rebuilt from them, so neither holds a line twice or a line from after the resume
     step; then both are appended to. Timing scalars of earlier segments are not in metrics.jsonl
     and are not rebuilt. OSError -> WorkdirWriteError.
+
+    Local workdir: each line is appended (and flushed) as it comes, the events written to
+    WORKDIR/tensorboard as they come; `sync` has nothing to do.
+
+    Object storage cannot append, so the lines are kept in memory and `sync` writes the whole
+    metrics.jsonl, one atomic object write, and copies the TensorBoard events, which are written
+    to a local temporary folder, to WORKDIR/tensorboard. `sync` runs at every checkpoint save,
+    before the save starts (`Checkpointer.on_save`), and at the end of the run (`close`).
+    Nothing is lost by not writing in between: a resume always goes back to a checkpoint and
+    recomputes the lines after it, so it needs only the lines before the checkpoint, which the
+    sync at that checkpoint wrote first (`train._restore` cuts the file back to them, as it
+    does a local file). Between syncs the remote files lag behind the run.
     """
 
-    def __init__(self, workdir: str, kept: list[tuple[str, dict]]):
+    def __init__(self, workdir, kept: list[tuple[str, dict]]):
         self.enabled = jax.process_index() == 0
         self.history = [record for _, record in kept]
         if not self.enabled:
             return
-        self._path = os.path.join(workdir, METRICS_FILE)
-        with atomic_open(self._path) as f:
-            f.writelines(text for text, _ in kept)
-        with writing(self._path):
-            self._file = open(self._path, "a")  # noqa: SIM115 - held open for the run
-        tensorboard = os.path.join(workdir, TENSORBOARD_DIR)
-        with writing(tensorboard):
-            shutil.rmtree(tensorboard, ignore_errors=True)
-            os.makedirs(tensorboard)
-            self._events = EventsWriter(os.path.join(tensorboard, "events"))
-            by_step: dict[int, list[dict]] = {}
-            for record in self.history:
-                by_step.setdefault(record["step"], []).append(record)
-            for step, lines in by_step.items():
-                self._add_scalars(step, _scalars_of(lines), flush=False)
+        self._workdir = wd.path(workdir)
+        self._path = self._workdir / METRICS_FILE
+        self._local = wd.is_local(self._path)
+        self._file = None
+        if self._local:
+            with atomic_open(self._path) as f:
+                f.writelines(text for text, _ in kept)
+            with writing(self._path):
+                self._file = open(self._path, "a")  # noqa: SIM115 - held open for the run
+        else:
+            self._lines = [text for text, _ in kept]  # written by the sync at the end of __init__
+        tensorboard = self._workdir / TENSORBOARD_DIR
+        with writing(tensorboard, remote=not self._local):
+            if self._local:
+                with contextlib.suppress(OSError):  # what is left, mkdir refuses
+                    tensorboard.rmtree()
+                tensorboard.mkdir(parents=True)
+                self._events_dir = os.fspath(tensorboard)
+            else:
+                tensorboard.rmtree(missing_ok=True)
+                self._events_dir = tempfile.mkdtemp(prefix="resconv_tensorboard_")
+            self._events = EventsWriter(os.path.join(self._events_dir, "events"))
+        self._dirty = True
+        by_step: dict[int, list[dict]] = {}
+        for record in self.history:
+            by_step.setdefault(record["step"], []).append(record)
+        for step, lines in by_step.items():
+            self._add_scalars(step, _scalars_of(lines), flush=False)
+        with writing(f"TensorBoard events in {self._workdir}"):
             self._events.flush()
+        if not self._local:
+            self.sync()
 
     def write(self, step: int, records: list[dict]) -> None:
         """One metrics line per record (each a run's settings and values) at `step`."""
@@ -137,33 +169,60 @@ class MetricsWriter:
         self.history.extend(lines)
         if not self.enabled:
             return
-        with writing(self._path):
-            self._file.writelines(json.dumps(line) + "\n" for line in lines)
-            self._file.flush()
+        texts = [json.dumps(line) + "\n" for line in lines]
+        if self._local:
+            with writing(self._path):
+                self._file.writelines(texts)
+                self._file.flush()
+        else:
+            self._lines.extend(texts)
         self._add_scalars(step, _scalars_of(lines))
+        self._dirty = True
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         """Run-wide scalars (timings, FLOP/s) to TensorBoard only."""
         if self.enabled:
             self._add_scalars(step, values)
+            self._dirty = True
+
+    def sync(self, step: int | None = None) -> None:
+        """Object storage: writes metrics.jsonl whole and copies the TensorBoard events (the
+        `Checkpointer.on_save` hook; `step` unused). Local: nothing to do. -> WorkdirWriteError.
+        """
+        if not self.enabled or self._local or not self._dirty:
+            return
+        with atomic_open(self._path) as f:
+            f.writelines(self._lines)
+        tensorboard = self._workdir / TENSORBOARD_DIR
+        for name in sorted(os.listdir(self._events_dir)):
+            with open(os.path.join(self._events_dir, name), "rb") as f:
+                wd.write_object(tensorboard / name, f.read())
+        self._dirty = False
 
     def _add_scalars(self, step: int, values: dict[str, float], flush: bool = True) -> None:
         # One event holding every scalar of the step: one event per value cost seconds per
         # thousand log steps of a sweep (20k values: 3.6 s against 0.5 s). Written synchronously
         # (tensorboardX's SummaryWriter writes from a thread, where a full disk is a traceback).
         summary = Summary(value=[Summary.Value(tag=k, simple_value=v) for k, v in values.items()])
-        with writing(f"TensorBoard events in {os.path.dirname(self._path)}"):
+        with writing(f"TensorBoard events in {self._workdir}"):
             self._events.write_event(Event(wall_time=time.time(), step=step, summary=summary))
             if flush:
                 self._events.flush()
 
     def close(self) -> None:
-        """Flushes and closes the files."""
-        if self.enabled:
+        """Flushes and closes the files. Object storage: a last `sync`, best effort (the run's
+        normal end calls `sync` itself first, so that a failure there is reported)."""
+        if not self.enabled:
+            return
+        if self._file is not None:
             with contextlib.suppress(OSError):
                 self._file.close()
-            with contextlib.suppress(OSError):
-                self._events.close()
+        with contextlib.suppress(OSError):
+            self._events.close()
+        if not self._local:
+            with contextlib.suppress(Exception):
+                self.sync()
+            shutil.rmtree(self._events_dir, ignore_errors=True)
 
 
 def step_flops(step_fn, *args) -> float:

@@ -8,18 +8,20 @@ data, memory, a workdir holding another run) is checked before the first write i
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
-import os
 import shutil
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
 from jax.experimental import multihost_utils
 
 from resconv_jax import memory, multihost, sharding, signals
+from resconv_jax import workdir as wd
 from resconv_jax.analysis import probe
 from resconv_jax.analysis.certificate import Kernel, jacobian_fits, loss_scale, with_kernel_lrs
 from resconv_jax.analysis.summary import fit_floor, run_summaries
@@ -51,9 +53,9 @@ from resconv_jax.workdir import (
     WorkdirWriteError,
     atomic_open,
     check_same_run,
+    make_folder,
     read_saved_config,
     write_json,
-    writing,
 )
 
 __all__ = ["SUMMARY_FILE", "Preempted", "TrainingDiverged", "run"]
@@ -90,7 +92,7 @@ def _stop_before_training(what: str) -> None:
         )
 
 
-def _saved_config(workdir: str, checkpointer: Checkpointer) -> tuple[dict | None, str]:
+def _saved_config(workdir: epath.Path, checkpointer: Checkpointer) -> tuple[dict | None, str]:
     """The config the workdir's run started with: config.json, else the newest checkpoint's copy.
 
     Raises ConfigError if checkpoints exist but none of them (and no config.json) says which
@@ -106,7 +108,7 @@ def _saved_config(workdir: str, checkpointer: Checkpointer) -> tuple[dict | None
             return meta["config"], f"the checkpoint of step {step} ({CONFIG_FILE} is missing)"
     if steps:
         raise ConfigError(
-            f"{os.path.join(workdir, CONFIG_FILE)} is missing and no checkpoint in "
+            f"{workdir / CONFIG_FILE} is missing and no checkpoint in "
             f"{checkpointer.directory} holds a copy of the config: cannot check that this config "
             "is the run's; restore config.json, or use a new --workdir"
         )
@@ -119,8 +121,7 @@ def _lock_on_process_0(workdir: str, lock: WorkdirLock) -> None:
     failure = None
     if jax.process_index() == 0:
         try:
-            with writing(f"--workdir={workdir}"):
-                os.makedirs(workdir, exist_ok=True)
+            make_folder(workdir, f"--workdir={workdir}")
             lock.acquire()
         except (WorkdirBusy, WorkdirWriteError) as error:
             failure = error
@@ -134,14 +135,18 @@ def _lock_on_process_0(workdir: str, lock: WorkdirLock) -> None:
         raise failure
 
 
-def _remove_new_workdir(workdir: str) -> None:
+def _remove_new_workdir(workdir: epath.Path) -> None:
     """Deletes a workdir this process created if nothing was trained in it: no metrics line and
     no checkpoint anywhere (a depth sweep's layers_<L>/ included), so a refused start leaves no
     trace."""
-    for folder, subfolders, files in os.walk(workdir):
-        if METRICS_FILE in files or (os.path.basename(folder) == "checkpoints" and subfolders):
+    for folder, subfolders, files in workdir.walk():
+        if METRICS_FILE in files or (folder.name == "checkpoints" and subfolders):
             return
-    shutil.rmtree(workdir, ignore_errors=True)
+    if wd.is_local(workdir):
+        shutil.rmtree(workdir, ignore_errors=True)
+    else:
+        with contextlib.suppress(Exception):  # best effort, as shutil's ignore_errors
+            workdir.rmtree()
 
 
 def run(config, workdir: str) -> list[dict]:
@@ -161,18 +166,18 @@ def run(config, workdir: str) -> list[dict]:
             memory.check_synthetic_data(config.data)
         dataset = load_dataset(config)
         _stop_before_training("loading the data")
-        created = not os.path.exists(workdir)
+        created = not wd.path(workdir).exists()
         lock = WorkdirLock(workdir)
         _lock_on_process_0(workdir, lock)
         try:
             groups = group_runs(expand_runs(config))
             if len(groups) == 1:
-                return _run_locked(config, workdir, dataset, groups[0][1])
-            return _run_groups(config, workdir, dataset, groups)
+                return _run_locked(config, wd.path(workdir), dataset, groups[0][1])
+            return _run_groups(config, wd.path(workdir), dataset, groups)
         except (ValueError, Preempted):  # ConfigError, data or weights errors: nothing kept
             if created and jax.process_index() == 0:
                 lock.release()
-                _remove_new_workdir(workdir)
+                _remove_new_workdir(wd.path(workdir))
             raise
         finally:
             lock.release()
@@ -256,7 +261,7 @@ def _build(config, dataset, mesh, model: Model, num_outputs: int, kernel_fits, r
     )
 
 
-def _run_groups(config, workdir: str, dataset, groups) -> list[dict]:
+def _run_groups(config, workdir: epath.Path, dataset, groups) -> list[dict]:
     """A sweep over depths: each depth's runs are one program, trained in WORKDIR/layers_<L>
     (checkpoints, metrics, summary; resumable on its own), one after another; WORKDIR gets the
     merged metrics.jsonl and summary.json."""
@@ -265,12 +270,11 @@ def _run_groups(config, workdir: str, dataset, groups) -> list[dict]:
     if saved is not None:
         check_same_run(workdir, saved, config_json, CONFIG_FILE)
     if jax.process_index() == 0:
-        write_json(os.path.join(workdir, CONFIG_FILE), config_json)
+        write_json(workdir / CONFIG_FILE, config_json)
     summaries, lines = [], []
     for layers, runs in groups:
-        group_dir = os.path.join(workdir, f"layers_{layers}")
-        with writing(group_dir):
-            os.makedirs(group_dir, exist_ok=True)
+        group_dir = workdir / f"layers_{layers}"
+        make_folder(group_dir)
         print(f"depth L={layers}: runs {runs[0].index}-{runs[-1].index} in {group_dir}", flush=True)
         with config.unlocked():
             group_config = config.copy_and_resolve_references()
@@ -280,13 +284,13 @@ def _run_groups(config, workdir: str, dataset, groups) -> list[dict]:
         summaries += _run_locked(group_config, group_dir, dataset, runs)
         lines += read_metrics_lines(group_dir)
     if jax.process_index() == 0:
-        with atomic_open(os.path.join(workdir, METRICS_FILE)) as f:
+        with atomic_open(workdir / METRICS_FILE) as f:
             f.writelines(text for text, _ in lines)
-        write_json(os.path.join(workdir, SUMMARY_FILE), summaries)
+        write_json(workdir / SUMMARY_FILE, summaries)
     return summaries
 
 
-def _run_locked(config, workdir: str, dataset, runs) -> list[dict]:
+def _run_locked(config, workdir: epath.Path, dataset, runs) -> list[dict]:
     """`run` once the workdir is locked, for `runs` of one shape: checks, restore, the step loop,
     the summary."""
     model = build_model(config.model, dataset)
@@ -315,12 +319,14 @@ def _run_locked(config, workdir: str, dataset, runs) -> list[dict]:
         program = _build(config, dataset, mesh, model, num_outputs, kernel_fits, runs)
         _stop_before_training("compiling")
         if jax.process_index() == 0:
-            write_json(os.path.join(workdir, CONFIG_FILE), config_json)
+            write_json(workdir / CONFIG_FILE, config_json)
         step, state, kept = _restore(config, workdir, checkpointer, program)
         program.state = state
         writer = MetricsWriter(workdir, kept)
+        checkpointer.on_save = writer.sync  # object storage: metrics written whole before a save
         try:
             run_loop(config, workdir, program, checkpointer, writer, step, config_json, dataset)
+            _final_sync(writer, checkpointer)
         finally:
             writer.close()
     finally:
@@ -328,11 +334,24 @@ def _run_locked(config, workdir: str, dataset, runs) -> list[dict]:
     settings = [r.settings() for r in program.runs]
     summaries = run_summaries(writer.history, settings, fit_floor(config.model.dtype))
     if jax.process_index() == 0:
-        write_json(os.path.join(workdir, SUMMARY_FILE), summaries)
+        write_json(workdir / SUMMARY_FILE, summaries)
     return summaries
 
 
-def _restore(config, workdir: str, checkpointer: Checkpointer, program: Program):
+def _final_sync(writer: MetricsWriter, checkpointer: Checkpointer) -> None:
+    """The metrics lines after the last checkpoint, to object storage (`MetricsWriter.sync`)."""
+    try:
+        writer.sync()
+    except WorkdirWriteError as error:
+        steps = checkpointer.steps()
+        last = f"step {steps[-1]} in {checkpointer.directory}" if steps else "none"
+        raise WorkdirWriteError(
+            f"{error}; last checkpoint: {last}, and every metrics line before it is saved; "
+            "rerun the same command"
+        ) from None
+
+
+def _restore(config, workdir: epath.Path, checkpointer: Checkpointer, program: Program):
     """(step, state, metrics lines kept) of the newest good checkpoint that the metrics cover.
 
     metrics.jsonl must hold every line before the resume step; when it does not (a torn or cut
@@ -343,7 +362,7 @@ def _restore(config, workdir: str, checkpointer: Checkpointer, program: Program)
     latest = checkpointer.latest_step()
     if latest is not None and latest > reach:
         print(
-            f"{os.path.join(workdir, METRICS_FILE)} holds the lines of the steps before {reach} "
+            f"{workdir / METRICS_FILE} holds the lines of the steps before {reach} "
             f"only, the latest checkpoint is at step {latest}: resuming from an earlier "
             "checkpoint (or step 0) to recompute the missing lines",
             flush=True,

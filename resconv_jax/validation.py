@@ -12,6 +12,7 @@ CHOICES = {
     "model.name": ("transformer", "gpt2"),
     "optim.loss": ("squared", "cross_entropy"),
     "model.qk_init": ("1/d", "1/d_qk"),
+    "model.activation": ("relu", "gelu", "softplus", "identity"),
     "data.name": ("synthetic", "jena", "sst2"),
     "data.target": ("gaussian", "teacher"),
     "optim.name": ("sgd", "momentum", "adam"),
@@ -143,8 +144,33 @@ def _check_beta(field: str, value) -> None:
         raise ConfigError(f"{field}={value!r}: a residual coefficient must be a number >= 0")
 
 
-def check_workdir(workdir: str) -> None:
-    """Raises ConfigError unless `workdir` exists as a writable folder or can be created."""
+def check_workdir(workdir: str, *, checkpoints: bool = True) -> None:
+    """Raises ConfigError unless `workdir` exists as a writable folder or can be created.
+
+    An object-storage URL (gs://, s3://) is checked without writing: that its store can be
+    reached (its client installed) and that the URL is not an object; a store that refuses
+    writes is found at the first write (exit status 4). With `checkpoints`, only gs:// is
+    accepted: Orbax writes checkpoints to local folders and GCS only.
+    """
+    from resconv_jax import workdir as wd  # wd imports this module
+
+    if not wd.is_local(workdir):
+        if checkpoints and not str(workdir).startswith("gs://"):
+            raise ConfigError(
+                f"--workdir={workdir}: checkpoints can be written to a local folder or to gs:// "
+                "only (Orbax); use one of those"
+            )
+        try:
+            remote = wd.path(workdir)
+            if remote.exists() and not remote.is_dir():
+                raise ConfigError(f"--workdir={workdir}: exists and is not a folder")
+        except ConfigError:
+            raise
+        except Exception as error:  # noqa: BLE001 - the store's own errors, in one line
+            raise ConfigError(
+                f"--workdir={workdir}: cannot reach it ({wd.describe_os_error(error)})"
+            ) from None
+        return
     path = os.path.abspath(workdir)
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"--workdir={workdir}: exists and is not a folder")

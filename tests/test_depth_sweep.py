@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from resconv_jax import train
+from resconv_jax import experiments, train
 from resconv_jax.config_defaults import load_config_file
 from resconv_jax.metrics import METRICS_FILE, read_metrics
 
@@ -27,7 +27,7 @@ def without(records: list[dict], *keys: str) -> list[dict]:
 
 @pytest.mark.slow
 def test_a_depth_sweep_equals_the_depths_run_one_at_a_time(tmp_path, capsys):
-    summaries = train.run(tiny(**{"sweep.num_layers": (1, 2)}), str(tmp_path / "sweep"))
+    summaries = experiments.run(tiny(**{"sweep.num_layers": (1, 2)}), str(tmp_path / "sweep"))
     assert [(s["run"], s["num_layers"]) for s in summaries] == [(r, 1 + r // 3) for r in range(6)]
     merged = read_metrics(str(tmp_path / "sweep"))
     assert {r["num_layers"] for r in merged} == {1, 2}

@@ -9,14 +9,13 @@ residual of Attn and Z at the first and the last probed step).
 
 from __future__ import annotations
 
-import os
-
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from resconv_jax import workdir as wd  # noqa: E402
 from resconv_jax.analysis.summary import series  # noqa: E402
 from resconv_jax.experiments.regression import _beta_label, _group_key, _runs, save_figure  # noqa: E402
 from resconv_jax.workdir import write_csv  # noqa: E402
@@ -80,12 +79,13 @@ def layer_rows(history: list[dict]) -> list[dict]:
     return rows
 
 
-def write_classification_report(workdir: str, history: list[dict]) -> list[dict]:
+def write_classification_report(workdir, history: list[dict]) -> list[dict]:
     """errors.png, accuracy_table.csv and layers_table.csv in `workdir`; the accuracy rows."""
-    plot_errors(history, os.path.join(workdir, "errors.png"))
+    workdir = wd.path(workdir)
+    plot_errors(history, workdir / "errors.png")
     rows = accuracy_rows(history)
-    write_csv(os.path.join(workdir, "accuracy_table.csv"), rows)
-    write_csv(os.path.join(workdir, "layers_table.csv"), layer_rows(history))
+    write_csv(workdir / "accuracy_table.csv", rows)
+    write_csv(workdir / "layers_table.csv", layer_rows(history))
     return rows
 
 

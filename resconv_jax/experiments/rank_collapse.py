@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from collections.abc import Sequence
 from functools import partial
@@ -33,11 +32,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from resconv_jax import workdir as wd
 from resconv_jax.analysis import probe
 from resconv_jax.analysis.linalg import eps_relative_to_float32, small_batches
 from resconv_jax.models import transformer
 from resconv_jax.validation import CHOICES, ConfigError, check_workdir, validate_config
-from resconv_jax.workdir import WorkdirLock, atomic_open, write_csv, write_json, writing
+from resconv_jax.workdir import WorkdirLock, make_folder, write_csv, write_json, write_png
 
 CSV_FILE = "rank_collapse.csv"
 SEEDS_CSV_FILE = "rank_collapse_seeds.csv"
@@ -293,8 +293,7 @@ def plot(path: str, rows: list[dict], x_ratio: float, title: str, dtype: str = "
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncol=5, fontsize=8)
     fig.suptitle(title)
-    with atomic_open(path, "wb") as f:
-        fig.savefig(f, format="png", dpi=120)
+    write_png(fig, path, dpi=120)
 
 
 def run(config, workdir: str) -> list[dict]:
@@ -304,7 +303,7 @@ def run(config, workdir: str) -> list[dict]:
     over seeds ('{column}/mean', ...). Nothing is written before the config is validated.
     """
     qk_inits, d_qk_values, seeds = validate(config)
-    check_workdir(workdir)
+    check_workdir(workdir, checkpoints=False)
     start = time.perf_counter()
     dtype = config.model.dtype  # of the weights, so of the attention and its SVDs
     x = make_data(config.data).astype(dtype)  # (P, M, d)
@@ -341,15 +340,15 @@ def run(config, workdir: str) -> list[dict]:
     )
     if jax.process_index() != 0:  # several processes: each computed the same rows
         return rows
-    with writing(f"--workdir={workdir}"):
-        os.makedirs(workdir, exist_ok=True)
+    make_folder(workdir, f"--workdir={workdir}")
     lock = WorkdirLock(workdir)
     lock.acquire()
+    folder = wd.path(workdir)
     try:
-        write_json(os.path.join(workdir, CONFIG_FILE), json.loads(config.to_json_best_effort()))
-        write_csv(os.path.join(workdir, CSV_FILE), rows)
-        write_csv(os.path.join(workdir, SEEDS_CSV_FILE), per_seed)
-        plot(os.path.join(workdir, PLOT_FILE), rows, x_ratio, title, dtype)
+        write_json(folder / CONFIG_FILE, json.loads(config.to_json_best_effort()))
+        write_csv(folder / CSV_FILE, rows)
+        write_csv(folder / SEEDS_CSV_FILE, per_seed)
+        plot(folder / PLOT_FILE, rows, x_ratio, title, dtype)
     finally:
         lock.release()
 

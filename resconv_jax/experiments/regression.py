@@ -4,24 +4,23 @@ theory, Jena, SST-2). Written by `experiments.report` at the end of a run.
 
 from __future__ import annotations
 
-import os
-
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from resconv_jax import workdir as wd  # noqa: E402
 from resconv_jax.analysis.summary import FIT_FLOOR, fit_rate, series  # noqa: E402
-from resconv_jax.workdir import atomic_open, write_csv  # noqa: E402
+from resconv_jax.workdir import write_csv, write_png  # noqa: E402
 
 Z_FRO = "layer0/z/sigma_min_over_fro"
 
 
-def save_figure(fig, path: str, dpi: int = 110) -> None:
-    """Writes `fig` as a PNG at `path` atomically (never half a figure), then closes it."""
-    with atomic_open(path, "wb") as f:
-        fig.savefig(f, format="png", dpi=dpi)
+def save_figure(fig, path, dpi: int = 110) -> None:
+    """Writes `fig` as a PNG at `path` (local or object storage) atomically, in one write (never
+    half a figure), then closes it."""
+    write_png(fig, path, dpi)
     plt.close(fig)
 
 
@@ -151,16 +150,17 @@ def plot_sigma_by_beta(rows: list[dict], path: str) -> None:
 
 
 def write_reports(
-    workdir: str, history: list[dict], threshold: float = 0.0, floor: float = FIT_FLOOR
+    workdir, history: list[dict], threshold: float = 0.0, floor: float = FIT_FLOOR
 ) -> list[dict]:
     """training.png, loss_by_beta.png, sigma_by_beta.png and beta_table.csv in `workdir`."""
-    plot_training(history, os.path.join(workdir, "training.png"))
+    workdir = wd.path(workdir)
+    plot_training(history, workdir / "training.png")
     rows, threshold = beta_table(history, threshold, floor)
     if len(rows) > 1:
-        plot_loss_by_beta(history, os.path.join(workdir, "loss_by_beta.png"))
+        plot_loss_by_beta(history, workdir / "loss_by_beta.png")
         if not np.isnan(rows[0]["z_sigma_min_over_fro_start"]):
-            plot_sigma_by_beta(rows, os.path.join(workdir, "sigma_by_beta.png"))
-    write_csv(os.path.join(workdir, "beta_table.csv"), rows)
+            plot_sigma_by_beta(rows, workdir / "sigma_by_beta.png")
+    write_csv(workdir / "beta_table.csv", rows)
     return [row | {"threshold": threshold} for row in rows]
 
 

@@ -9,32 +9,25 @@ the same files for any finished (or partly finished) run.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 
+from etils import epath
+
+from resconv_jax import workdir as wd
 from resconv_jax.analysis.summary import fit_floor
 from resconv_jax.experiments import classification, regression
 from resconv_jax.metrics import read_metrics
-from resconv_jax.workdir import CONFIG_FILE, WorkdirLock
+from resconv_jax.workdir import WorkdirLock, read_saved_config
 
 
-def _saved_config(workdir: str) -> dict:
-    """The run's config.json as a dict ({} when it is absent)."""
-    try:
-        with open(os.path.join(workdir, CONFIG_FILE)) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return {}
-
-
-def _group_dirs(workdir: str) -> list[str]:
+def _group_dirs(workdir: epath.Path) -> list[epath.Path]:
     """A depth sweep's per-depth run directories (layers_<L>, in order of L), else []."""
-    names = [n for n in os.listdir(workdir) if n.startswith("layers_") and n[7:].isdigit()]
-    return [os.path.join(workdir, n) for n in sorted(names, key=lambda n: int(n[7:]))]
+    names = [p.name for p in workdir.iterdir()]
+    names = [n for n in names if n.startswith("layers_") and n[7:].isdigit()]
+    return [workdir / n for n in sorted(names, key=lambda n: int(n[7:]))]
 
 
-def _write_one(workdir: str, threshold: float, floor: float) -> list[str]:
+def _write_one(workdir: epath.Path, threshold: float, floor: float) -> list[str]:
     """The figures and tables of one run directory; returns the tables as printed."""
     history = read_metrics(workdir)
     if not history:
@@ -47,13 +40,14 @@ def _write_one(workdir: str, threshold: float, floor: float) -> list[str]:
     return tables
 
 
-def write_run_report(workdir: str) -> list[str]:
+def write_run_report(workdir) -> list[str]:
     """Every figure and table of the run in `workdir` (and its depth groups), from its files.
 
     Returns the tables of `workdir` itself, formatted for printing. Raises WorkdirBusy while a
-    run holds the workdir.
+    run holds the workdir, ConfigError (one line) if its config.json is unreadable.
     """
-    config = _saved_config(workdir)
+    workdir = wd.path(workdir)
+    config = read_saved_config(workdir) or {}
     threshold = float(config.get("report", {}).get("loss_threshold", 0.0))
     floor = fit_floor(config.get("model", {}).get("dtype", "float32"))
     lock = WorkdirLock(workdir)

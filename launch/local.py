@@ -33,14 +33,14 @@ def free_port() -> int:
 
 
 def process_env(devices: int, base: dict | None = None) -> dict:
-    """The environment of one process: `devices` CPU devices, gloo collectives, and this
-    launcher's XLA flags without any device count of its own."""
+    """The environment of one process: `devices` CPU devices and this launcher's XLA flags
+    without any device count of its own. (main turns on gloo for the cross-process collectives;
+    a single process keeps XLA's in-process ones.)"""
     env = dict(os.environ if base is None else base)
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
     env["XLA_FLAGS"] = f"{flags.strip()} --xla_force_host_platform_device_count={devices}".strip()
     env["JAX_PLATFORMS"] = "cpu"
     env["JAX_NUM_CPU_DEVICES"] = str(devices)
-    env["JAX_CPU_COLLECTIVES_IMPLEMENTATION"] = "gloo"
     env.setdefault("OPENBLAS_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
     return env

@@ -345,3 +345,23 @@ def test_divergence_message_names_stable_step_size(tmp_path, lr):
     message = str(error.value)
     assert "\n" not in message and "diverged" in message
     assert "2/lambda_max" in message, message
+
+
+@pytest.mark.slow
+def test_the_jena_sweep_on_8_devices_does_not_deadlock_in_the_per_sample_probe(tmp_path):
+    """15 runs x 256 windows of 24 x 6, probed per sample on 8 CPU devices sharing 2 cores: with
+    LAPACK batches of ~50 kFLOP the first chunk hung forever (every pool thread blocked)."""
+    import subprocess
+    import sys
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    command = [
+        sys.executable, "-m", "resconv_jax.main", "--config=configs/jena.py",
+        f"--workdir={tmp_path}", "--config.train.num_steps=10",
+    ]  # fmt: skip
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    try:
+        result = subprocess.run(command, cwd=root, env=env, capture_output=True, timeout=150)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the Jena sweep hung in its first chunk on 8 devices")
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-INLINE_FLOP = 50_000  # well below jaxlib's per-task minimum work (2e5 FLOP)
+INLINE_FLOP = 10_000  # well below jaxlib's per-task minimum work (2e5 FLOP)
 
 
 def small_batches(fn: Callable, x: jax.Array):

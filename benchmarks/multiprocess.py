@@ -13,8 +13,9 @@ Two parts:
    the bytes are too; across processes they go through gloo instead of shared memory. Collectives
    inside the step loop run every step; those at the top level once per chunk (the probe). The
    design expects, per step, one all-reduce of the gradients (R x the parameters) over 'data'
-   when data > 1, and, per probed chunk, all-gathers of the probe's d x d R factors (R x L x d x
-   d per probed matrix, Attn and Z) and the probed first step's own gradient all-reduce.
+   when data > 1, and, per probed chunk, all-gathers of the probe's R factors (from each of the
+   `data` devices one min(rows per device, d) x d factor per run, layer and probed matrix, Attn
+   and Z) and the probed first step's own gradient all-reduce.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -71,6 +73,7 @@ def rate_of(output: str) -> float:
 
 
 def run_once(name: str, layout: str, steps: int, workdir: str) -> float:
+    shutil.rmtree(workdir, ignore_errors=True)  # a fresh run, never a resume
     args = [f"--config={CONFIGS[name]}", f"--workdir={workdir}", *overrides(steps)]
     if layout == "1x8":
         command = [sys.executable, "-m", "resconv_jax.main", *args]
@@ -146,9 +149,12 @@ def hlo_bytes(name: str) -> list[list[object]]:
     found = collectives(program.runners.at(0).as_text())
     leaves = jax.tree.leaves(params)
     grads = len(runs) * sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
-    d = dataset.x_train.shape[-1]
+    d, data = dataset.x_train.shape[-1], mesh.shape["data"]
+    rows = dataset.num_train * dataset.x_train.shape[-2] // data  # stacked P·M rows per device
     layers = config.model.num_layers
-    factors = 2 * len(runs) * layers * d * d * np.dtype(config.probe.dtype).itemsize
+    # Each device's R factor (min(rows, d) x d) of Attn and of Z, gathered from all `data` devices.
+    factor = data * min(rows, d) * d * np.dtype(config.probe.dtype).itemsize
+    factors = 2 * len(runs) * layers * factor
     expected = {
         ("per step", "all-reduce"): grads if mesh.shape["data"] > 1 else 0,
         ("per chunk", "all-gather"): factors if mesh.shape["data"] > 1 else 0,

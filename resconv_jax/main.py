@@ -213,6 +213,8 @@ def _main(argv: list[str]) -> None:
     except WorkdirBusy as error:
         _fail(str(error), EXIT_BUSY)
     except WorkdirWriteError as error:
+        if _watchdog is not None:  # a checkpoint's collective fails when another process dies
+            _watchdog.wait_for_loss()
         _fail(str(error), EXIT_WRITE_FAILED)
     except train.TrainingDiverged as error:
         _fail(str(error), EXIT_DIVERGED)

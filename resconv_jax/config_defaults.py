@@ -67,6 +67,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.num_steps = 200  # GD steps
     c.train.log_every = 10  # steps between metrics lines (steps run on device in between)
     c.train.print_every = 50  # steps between progress lines (a multiple of log_every)
+    # Steps [0, step_losses_until) also log every step's loss: each metrics line before it holds
+    # "step_losses", the losses of its log_every steps (early descent at single-step resolution).
+    c.train.step_losses_until = 0
     c.train.checkpoint_every = 100  # steps between checkpoints (a multiple of log_every)
     c.train.keep_checkpoints = 3  # how many recent checkpoints to keep
     c.train.async_checkpoints = True  # write checkpoints in the background
@@ -86,6 +89,9 @@ def base_config() -> ml_collections.ConfigDict:
     # depths L (model.num_layers): one compiled program per depth, run one after another, each in
     # WORKDIR/layers_<L>/ (its own checkpoints and metrics; WORKDIR holds the merged results)
     c.sweep.num_layers = ()
+    # widths d (data.dim) of synthetic data: one program per width, in WORKDIR/dim_<d>/ (with a
+    # depth sweep too, WORKDIR/layers_<L>_dim_<d>/); each width draws its own data (data.seed)
+    c.sweep.dim = ()
 
     c.probe = ml_collections.ConfigDict()
     # Spectral probe of Attn(X) and Z, from the probed step's own forward pass; its values go to

@@ -1,7 +1,8 @@
-"""A sweep: its runs, each a setting of (seed, lr, β_a, β_f), and their groups by depth.
+"""A sweep: its runs, each a setting of (seed, lr, β_a, β_f), and their groups by shape.
 
-Runs that share parameter shapes are one compiled, vmapped program; `sweep.num_layers` (the one
-shape-changing sweep field) makes one group per depth L, trained one after another.
+Runs that share parameter shapes are one compiled, vmapped program; the shape-changing sweep
+fields, `sweep.num_layers` (depth L) and `sweep.dim` (embedding width d of synthetic data), make
+one group per (L, d), trained one after another.
 """
 
 from __future__ import annotations
@@ -22,12 +23,16 @@ class RunSpec:
     beta_attn: float
     beta_ffn: float
     num_layers: int | None = None  # set when the sweep varies the depth L
+    dim: int | None = None  # set when the sweep varies the width d
+
+    @property
+    def shape(self) -> tuple[int | None, int | None]:
+        """(L, d) where swept, else None: runs of one shape are one program."""
+        return self.num_layers, self.dim
 
     def settings(self) -> dict:
         """The run's index and settings, as written on every metrics line."""
-        settings = dataclasses.asdict(self)
-        if settings["num_layers"] is None:
-            del settings["num_layers"]
+        settings = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
         return {"run": settings.pop("index"), **settings}
 
 
@@ -46,19 +51,30 @@ def expand_runs(config) -> list[RunSpec]:
             )
         )
     depths = config.sweep.get("num_layers", ()) or (None,)
-    combos = itertools.product(depths, seeds, lrs, betas)
+    dims = config.sweep.get("dim", ()) or (None,)
+    combos = itertools.product(depths, dims, seeds, lrs, betas)
     return [
-        RunSpec(i, int(seed), float(lr), float(b_attn), float(b_ffn), layers)
-        for i, (layers, seed, lr, (b_attn, b_ffn)) in enumerate(combos)
+        RunSpec(i, int(seed), float(lr), float(b_attn), float(b_ffn), layers, dim)
+        for i, (layers, dim, seed, lr, (b_attn, b_ffn)) in enumerate(combos)
     ]
 
 
-def group_runs(runs: list[RunSpec]) -> list[tuple[int | None, list[RunSpec]]]:
-    """(L, its runs) per depth, in sweep order; one (None, runs) group without a depth sweep."""
-    groups: dict[int | None, list[RunSpec]] = {}
+def group_runs(runs: list[RunSpec]) -> list[tuple[tuple, list[RunSpec]]]:
+    """((L, d), its runs) per shape, in sweep order; one ((None, None), runs) group when neither
+    is swept."""
+    groups: dict[tuple, list[RunSpec]] = {}
     for run in runs:
-        groups.setdefault(run.num_layers, []).append(run)
+        groups.setdefault(run.shape, []).append(run)
     return list(groups.items())
+
+
+def group_folder(shape: tuple[int | None, int | None]) -> str:
+    """The run directory of one shape group under WORKDIR: layers_<L>, dim_<d> or both."""
+    layers, dim = shape
+    parts = ([f"layers_{layers}"] if layers is not None else []) + (
+        [f"dim_{dim}"] if dim is not None else []
+    )
+    return "_".join(parts)
 
 
 def run_hparams(runs: list[RunSpec]) -> dict[str, np.ndarray]:

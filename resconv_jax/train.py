@@ -44,7 +44,7 @@ from resconv_jax.step import (
     make_optimizer,
     make_step_functions,
 )
-from resconv_jax.sweep import expand_runs, group_runs, run_hparams
+from resconv_jax.sweep import expand_runs, group_folder, group_runs, run_hparams
 from resconv_jax.validation import ConfigError, check_workdir, validate_config
 from resconv_jax.workdir import (
     CONFIG_FILE,
@@ -262,9 +262,9 @@ def _build(config, dataset, mesh, model: Model, num_outputs: int, kernel_fits, r
 
 
 def _run_groups(config, workdir: epath.Path, dataset, groups) -> list[dict]:
-    """A sweep over depths: each depth's runs are one program, trained in WORKDIR/layers_<L>
-    (checkpoints, metrics, summary; resumable on its own), one after another; WORKDIR gets the
-    merged metrics.jsonl and summary.json."""
+    """A sweep over depths or widths: each shape's runs are one program, trained in
+    WORKDIR/layers_<L> or dim_<d> (`group_folder`: checkpoints, metrics, summary; resumable on
+    its own), one after another; WORKDIR gets the merged metrics.jsonl and summary.json."""
     config_json = json.loads(config.to_json_best_effort())
     saved = read_saved_config(workdir)
     if saved is not None:
@@ -272,16 +272,24 @@ def _run_groups(config, workdir: epath.Path, dataset, groups) -> list[dict]:
     if jax.process_index() == 0:
         write_json(workdir / CONFIG_FILE, config_json)
     summaries, lines = [], []
-    for layers, runs in groups:
-        group_dir = workdir / f"layers_{layers}"
+    for (layers, dim), runs in groups:
+        group_dir = workdir / group_folder((layers, dim))
         make_folder(group_dir)
-        print(f"depth L={layers}: runs {runs[0].index}-{runs[-1].index} in {group_dir}", flush=True)
+        shape = ", ".join(
+            f"{name}={value}" for name, value in (("L", layers), ("d", dim)) if value is not None
+        )
+        print(f"{shape}: runs {runs[0].index}-{runs[-1].index} in {group_dir}", flush=True)
         with config.unlocked():
             group_config = config.copy_and_resolve_references()
         with group_config.unlocked():
-            group_config.model.num_layers = layers
+            if layers is not None:
+                group_config.model.num_layers = layers
+            if dim is not None:
+                group_config.data.dim = dim
             group_config.sweep.num_layers = ()
-        summaries += _run_locked(group_config, group_dir, dataset, runs)
+            group_config.sweep.dim = ()
+        group_data = dataset if dim is None else load_dataset(group_config)
+        summaries += _run_locked(group_config, group_dir, group_data, runs)
         lines += read_metrics_lines(group_dir)
     if jax.process_index() == 0:
         with atomic_open(workdir / METRICS_FILE) as f:

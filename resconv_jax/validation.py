@@ -40,6 +40,7 @@ _NON_NEGATIVE_INTS = (
     "mesh.data",
     "theory.every",
     "probe.every",
+    "train.step_losses_until",
     "theory.max_jacobian_entries",
 )
 INT_MINIMUM = (
@@ -114,9 +115,15 @@ def validate_config(config) -> None:
             _check_beta(f"config.{field}", _get(config, field))
     for value in config.sweep.lr:
         _check_lr("config.sweep.lr", value)
-    for value in config.sweep.get("num_layers", ()):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ConfigError(f"config.sweep.num_layers={value!r}: expected integers >= 1")
+    for field in ("num_layers", "dim"):
+        for value in config.sweep.get(field, ()):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"config.sweep.{field}={value!r}: expected integers >= 1")
+    if config.sweep.get("dim", ()) and config.data.name != "synthetic":
+        raise ConfigError(
+            f"config.sweep.dim sweeps the width of synthetic data; data.name={config.data.name!r} "
+            "has its own width: leave sweep.dim empty"
+        )
     for name in ("beta", "beta_attn", "beta_ffn"):
         for value in config.sweep[name]:
             _check_beta(f"config.sweep.{name}", value)

@@ -59,3 +59,28 @@ def test_a_depth_sweep_refused_in_its_first_group_leaves_no_workdir(tmp_path, mo
     with pytest.raises(ConfigError, match="XLA's memory analysis"):
         train.run(tiny(**{"sweep.num_layers": (1, 2)}), str(tmp_path / "w"))
     assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.slow
+def test_a_width_sweep_equals_the_widths_run_one_at_a_time(tmp_path):
+    sweep = tiny(**{"sweep.dim": (16, 32), "sweep.beta": (0.0, 1.0)})
+    summaries = experiments.run(sweep, str(tmp_path / "sweep"))
+    assert [(s["run"], s["dim"]) for s in summaries] == [(0, 16), (1, 16), (2, 32), (3, 32)]
+    assert sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.name.startswith("dim_")) == [
+        "dim_16",
+        "dim_32",
+    ]
+    merged = read_metrics(str(tmp_path / "sweep"))
+    for dim in (16, 32):
+        alone = tmp_path / f"alone{dim}"
+        train.run(tiny(**{"data.dim": dim, "sweep.beta": (0.0, 1.0)}), str(alone))
+        group = [r for r in merged if r["dim"] == dim]
+        assert without(group, "run", "dim") == without(read_metrics(str(alone)), "run")
+
+
+def test_a_width_sweep_of_real_data_is_refused():
+    from resconv_jax.validation import ConfigError, validate_config
+
+    config = tiny(**{"sweep.dim": (16,), "data.name": "jena"})
+    with pytest.raises(ConfigError, match="sweep.dim sweeps the width of synthetic data"):
+        validate_config(config)

@@ -77,6 +77,8 @@ def format_summary(summary: dict) -> str:
     """'run 0 (beta_attn=0, beta_ffn=0, seed=0, lr=0.01): final loss 1.2e-05 at step 2000, ...'"""
     s = summary
     settings = f"beta_attn={s['beta_attn']:g}, beta_ffn={s['beta_ffn']:g}, seed={s['seed']}"
+    if "dim" in s:
+        settings = f"d={s['dim']}, {settings}"
     if "num_layers" in s:
         settings = f"L={s['num_layers']}, {settings}"
     text = (

@@ -1,14 +1,16 @@
 """What a training task reports from its run directory, once `train.run` has finished.
 
-In WORKDIR (and, for a depth sweep, in each WORKDIR/layers_<L>): training.png, loss_by_beta.png,
-sigma_by_beta.png and beta_table.csv from `regression`; when the runs log a classification error,
-errors.png, accuracy_table.csv and layers_table.csv from `classification`. Everything is read back
-from metrics.jsonl and config.json, so `python -m resconv_jax.experiments.report WORKDIR` rewrites
-the same files for any finished (or partly finished) run.
+In WORKDIR (and, for a depth or width sweep, in each WORKDIR/layers_<L> or dim_<d>):
+training.png, loss_by_beta.png, sigma_by_beta.png and beta_table.csv from `regression`; when the
+runs log a classification error, errors.png, accuracy_table.csv and layers_table.csv from
+`classification`. Everything is read back from metrics.jsonl and config.json, so
+`python -m resconv_jax.experiments.report WORKDIR` rewrites the same files for any finished (or
+partly finished) run.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 
 from etils import epath
@@ -17,14 +19,25 @@ from resconv_jax import workdir as wd
 from resconv_jax.analysis.summary import fit_floor
 from resconv_jax.experiments import classification, regression
 from resconv_jax.metrics import read_metrics
+from resconv_jax.sweep import group_folder
 from resconv_jax.workdir import WorkdirLock, read_saved_config
 
+_GROUP_FOLDER = re.compile(r"(?:layers_(\d+))?_?(?:dim_(\d+))?")
 
-def _group_dirs(workdir: epath.Path) -> list[epath.Path]:
-    """A depth sweep's per-depth run directories (layers_<L>, in order of L), else []."""
-    names = [p.name for p in workdir.iterdir()]
-    names = [n for n in names if n.startswith("layers_") and n[7:].isdigit()]
-    return [workdir / n for n in sorted(names, key=lambda n: int(n[7:]))]
+
+def group_dirs(workdir: epath.Path) -> list[epath.Path]:
+    """A depth or width sweep's per-shape run directories (layers_<L>, dim_<d>, layers_<L>_dim_<d>;
+    in order of L, then d), else []."""
+    found = []
+    for folder in workdir.iterdir():
+        match = _GROUP_FOLDER.fullmatch(folder.name)
+        if match and folder.name and folder.name == group_folder(_shape(match)):
+            found.append((tuple(int(v or 0) for v in match.groups()), folder))
+    return [folder for _, folder in sorted(found)]
+
+
+def _shape(match) -> tuple[int | None, int | None]:
+    return tuple(None if v is None else int(v) for v in match.groups())
 
 
 def _write_one(workdir: epath.Path, threshold: float, floor: float) -> list[str]:
@@ -53,7 +66,7 @@ def write_run_report(workdir) -> list[str]:
     lock = WorkdirLock(workdir)
     lock.acquire()
     try:
-        for group_dir in _group_dirs(workdir):
+        for group_dir in group_dirs(workdir):
             _write_one(group_dir, threshold, floor)
         return _write_one(workdir, threshold, floor)
     finally:

@@ -44,7 +44,6 @@ import numpy as np  # noqa: E402
 from benchmarks import common  # noqa: E402
 from launch import local  # noqa: E402
 from resconv_jax import sharding, train  # noqa: E402
-from resconv_jax.analysis.certificate import jacobian_fits  # noqa: E402
 from resconv_jax.config_defaults import load_config_file  # noqa: E402
 from resconv_jax.data import load_dataset  # noqa: E402
 from resconv_jax.models import build_model  # noqa: E402
@@ -144,7 +143,13 @@ def hlo_bytes(name: str) -> list[list[object]]:
     params = model.init(runs[0].seed)
     outputs = train._num_outputs(model, dataset.x_train, params)
     program = train._build(
-        config, dataset, mesh, model, outputs, jacobian_fits(config, outputs, params), runs
+        config,
+        dataset,
+        mesh,
+        model,
+        outputs,
+        sum(np.size(v) for v in jax.tree.leaves(params)),
+        runs,
     )
     found = collectives(program.runners.at(0).as_text())
     leaves = jax.tree.leaves(params)

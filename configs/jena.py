@@ -39,6 +39,7 @@ def get_config(arg=None):
     config.train.log_every = 10
     config.train.print_every = 200
     config.train.checkpoint_every = 500
+    config.train.step_losses_until = 300  # every step's loss over the early window (descent)
     config.sweep.beta = (0.0, 0.25, 0.5, 0.75, 1.0)
     config.sweep.seed = (0, 1, 2)
     config.lock()

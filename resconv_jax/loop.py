@@ -103,6 +103,9 @@ def run_loop(config, workdir, program, checkpointer, writer, step, config_json, 
             state, buffers = p.runners.at(step)(state, p.hp, p.x, p.y, jnp.int32(num))
             buffers = to_host(buffers)
             records = _log_records(settings, buffers, num, evaluated)
+            if step < train.step_losses_until:
+                for r, record in enumerate(records):
+                    record["step_losses"] = buffers["loss"][:num, r]
             losses = buffers["loss"][:num]
             if certify and num > 1 and np.isfinite(buffers["loss"][0]).all():
                 contraction = buffers["loss"][1] / buffers["loss"][0]
@@ -117,7 +120,10 @@ def run_loop(config, workdir, program, checkpointer, writer, step, config_json, 
             if step % train.print_every == 0 or step == total:
                 now = time.perf_counter()
                 rate = (step - last_print_step) / max(now - last_print, 1e-9)
-                print(progress_line(step, total, buffers["loss"][num - 1], rate), flush=True)
+                print(  # buffers["loss"][num - 1]: the loss at step - 1, before its update
+                    progress_line(step, total, step - 1, buffers["loss"][num - 1], rate, settings),
+                    flush=True,
+                )
                 writer.scalars(step, {"steps_per_sec": rate, "flops_per_sec": rate * p.flops})
                 last_print, last_print_step = now, step
         if not writer.history or writer.history[-1]["step"] < total:

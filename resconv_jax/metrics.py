@@ -88,6 +88,8 @@ def valid_prefix(
 
 
 def _json_value(value):
+    if isinstance(value, list | tuple | np.ndarray):
+        return [_json_value(v) for v in value]
     if isinstance(value, int | np.integer):
         return int(value)
     value = float(value)
@@ -243,9 +245,67 @@ def format_duration(seconds: float) -> str:
     return f"{seconds}s"
 
 
-def progress_line(step: int, total: int, losses, steps_per_sec: float) -> str:
-    """'step 100/2000  loss 1.2e-01 3.4e-02 ...  850.0 steps/s  ETA 2s' (one loss per run)."""
-    shown = " ".join(f"{float(v):.3e}" for v in losses[:8])
-    more = f" (+{len(losses) - 8} runs)" if len(losses) > 8 else ""
+def _run_labels(settings: list[dict]) -> list[str]:
+    """'r3 β=0.5 seed 1': each run's index and the settings that differ between the runs."""
+    varies = {
+        k
+        for k in ("num_layers", "beta_attn", "beta_ffn", "seed", "lr")
+        if len({s.get(k) for s in settings}) > 1
+    }
+    labels = []
+    for s in settings:
+        parts = [f"r{s['run']}"]
+        if "num_layers" in varies:
+            parts.append(f"L={s['num_layers']}")
+        if varies & {"beta_attn", "beta_ffn"}:
+            if all(t["beta_attn"] == t["beta_ffn"] for t in settings):
+                parts.append(f"β={s['beta_attn']:g}")
+            else:
+                parts.append(f"β_a={s['beta_attn']:g} β_f={s['beta_ffn']:g}")
+        if "seed" in varies:
+            parts.append(f"seed {s['seed']}")
+        if "lr" in varies:
+            parts.append(f"lr={s['lr']:.3g}")
+        labels.append(" ".join(parts))
+    return labels
+
+
+def progress_line(
+    step: int,
+    total: int,
+    loss_step: int,
+    losses,
+    steps_per_sec: float,
+    settings: list[dict] | None = None,
+) -> str:
+    """One progress line: `step` of `total` reached, the runs' training losses at `loss_step`.
+
+    `losses`: (R,), one per run, in the order of `settings` (the runs' settings dicts; without
+    them runs are named by position). Up to 4 runs each loss is shown with its run's label (its
+    index and the settings that differ between the runs); more, the min, median and max over
+    the runs, with the runs of the min and max:
+
+      step 500/2000  loss@499: r0 β=0 5.781e-04, r1 β=0.5 1.465e-06  219.5 steps/s  ETA 7s
+      step 200/2000  loss@199: min 4.261e+02 (r4 β=1 seed 0), median 4.725e+02, max 5.342e+02
+      (r5 β=0 seed 1) over 15 runs  81.2 steps/s  ETA 22s
+    """
+    losses = np.asarray(losses, float).reshape(-1)
+    settings = settings or [{"run": r} for r in range(losses.size)]
+    labels = _run_labels(settings) if len(settings) > 1 else [f"r{settings[0]['run']}"]
+    if losses.size <= 4:
+        shown = ", ".join(f"{label} {v:.3e}" for label, v in zip(labels, losses, strict=True))
+    else:
+        finite = np.isfinite(losses)
+        if finite.any():
+            low = int(np.flatnonzero(finite)[np.argmin(losses[finite])])
+            high = int(np.flatnonzero(finite)[np.argmax(losses[finite])])
+            shown = (
+                f"min {losses[low]:.3e} ({labels[low]}), median {np.median(losses[finite]):.3e}, "
+                f"max {losses[high]:.3e} ({labels[high]}) over {losses.size} runs"
+            )
+        else:
+            shown = f"no finite loss over {losses.size} runs"
+        if not finite.all():
+            shown += f" ({int((~finite).sum())} non-finite)"
     eta = format_duration((total - step) / steps_per_sec) if steps_per_sec > 0 else "?"
-    return f"step {step}/{total}  loss {shown}{more}  {steps_per_sec:.1f} steps/s  ETA {eta}"
+    return f"step {step}/{total}  loss@{loss_step}: {shown}  {steps_per_sec:.1f} steps/s  ETA {eta}"

@@ -23,7 +23,14 @@ from jax.experimental import multihost_utils
 from resconv_jax import memory, multihost, sharding, signals
 from resconv_jax import workdir as wd
 from resconv_jax.analysis import probe
-from resconv_jax.analysis.certificate import Kernel, jacobian_fits, loss_scale, with_kernel_lrs
+from resconv_jax.analysis.certificate import (
+    Kernel,
+    jacobian_fits,
+    lanczos_eigenvalues,
+    lanczos_products,
+    loss_scale,
+    with_kernel_lrs,
+)
 from resconv_jax.analysis.summary import fit_floor, run_summaries
 from resconv_jax.checkpoint import Checkpointer, checkpoint_losses_finite
 from resconv_jax.data import load_dataset
@@ -185,7 +192,7 @@ def run(config, workdir: str) -> list[dict]:
         signals.restore(previous_handler)
 
 
-def _build(config, dataset, mesh, model: Model, num_outputs: int, kernel_fits, runs) -> Program:
+def _build(config, dataset, mesh, model: Model, num_outputs: int, num_params: int, runs) -> Program:
     """Places data and state on the mesh, compiles the chunks, refuses what cannot fit."""
     put_data = functools.partial(sharding.put_tree, sharding=sharding.data_sharding(mesh))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -220,14 +227,8 @@ def _build(config, dataset, mesh, model: Model, num_outputs: int, kernel_fits, r
     fns = make_fns()  # loss, step, evaluate, kernel: the chunk runners add the probe
     scale = loss_scale(config, num_outputs)
     kernel = None
-    if (config.theory.every or config.optim.lr_rule == "lambda_max") and kernel_fits:
-        kernel = Kernel(jax.jit(fns.kernel_eigenvalues), scale)
-    elif config.theory.every:
-        print(
-            f"theory: tangent-kernel certificate skipped: J ({num_outputs} outputs x "
-            f"params) exceeds theory.max_jacobian_entries={config.theory.max_jacobian_entries}",
-            flush=True,
-        )
+    if config.theory.every or config.optim.lr_rule == "lambda_max":
+        kernel = _make_kernel(config, fns, scale, num_outputs, num_params)
     params = _init_params(model, runs)
     if config.optim.lr_rule == "lambda_max":
         runs = with_kernel_lrs(config, runs, kernel, params, hp, x)
@@ -259,6 +260,24 @@ def _build(config, dataset, mesh, model: Model, num_outputs: int, kernel_fits, r
         flops=step_flops(fns.step, state, hp, x, y),
         compile_seconds=time.perf_counter() - t0,
     )
+
+
+def _make_kernel(config, fns, scale: float, num_outputs: int, num_params: int) -> Kernel:
+    """The certificate's eigenvalues: K formed from J when J fits theory.max_jacobian_entries,
+    else Lanczos (J never formed; its cost and accuracy are said in one line)."""
+    if jacobian_fits(config, num_outputs, num_params):
+        return Kernel(jax.jit(fns.kernel_eigenvalues), scale)
+    iterations = config.theory.lanczos_iterations
+    products = lanczos_products(iterations, num_outputs, num_params)
+    print(
+        f"theory: J ({num_outputs} outputs x {num_params} params) exceeds "
+        f"theory.max_jacobian_entries={config.theory.max_jacobian_entries}: λ_min, λ_max of K by "
+        f"Lanczos ({products} products J(Jᵀv) per run per check, "
+        f"theory.lanczos_iterations={iterations}), accuracy in ntk/residual_min, "
+        "ntk/residual_max",
+        flush=True,
+    )
+    return Kernel(jax.jit(lanczos_eigenvalues(fns.predict, iterations)), scale)
 
 
 def _run_groups(config, workdir: epath.Path, dataset, groups) -> list[dict]:
@@ -306,12 +325,7 @@ def _run_locked(config, workdir: epath.Path, dataset, runs) -> list[dict]:
     check_runs_per_chunk(config.train.runs_per_chunk, mesh)
     one_run_params = model.init(runs[0].seed)
     num_outputs = _num_outputs(model, dataset.x_train, one_run_params)
-    kernel_fits = jacobian_fits(config, num_outputs, one_run_params)
-    if config.optim.lr_rule == "lambda_max" and not kernel_fits:
-        raise ConfigError(
-            "config.optim.lr_rule=lambda_max needs the Jacobian to fit "
-            f"theory.max_jacobian_entries={config.theory.max_jacobian_entries}"
-        )
+    num_params = sum(np.size(leaf) for leaf in jax.tree.leaves(one_run_params))
     train = config.train
     checkpointer = Checkpointer(
         workdir,
@@ -324,7 +338,7 @@ def _run_locked(config, workdir: epath.Path, dataset, runs) -> list[dict]:
         saved, where = _saved_config(workdir, checkpointer)
         if saved is not None:
             check_same_run(workdir, saved, config_json, where)
-        program = _build(config, dataset, mesh, model, num_outputs, kernel_fits, runs)
+        program = _build(config, dataset, mesh, model, num_outputs, num_params, runs)
         _stop_before_training("compiling")
         if jax.process_index() == 0:
             write_json(workdir / CONFIG_FILE, config_json)

@@ -33,6 +33,7 @@ _POSITIVE_INTS = (
     "train.print_every",
     "train.checkpoint_every",
     "train.keep_checkpoints",
+    "theory.lanczos_iterations",
 )
 _NON_NEGATIVE_INTS = (
     "train.num_steps",

@@ -1,5 +1,8 @@
 """The tangent-kernel certificate during training: λ_min, λ_max of K = J Jᵀ at checked steps,
-the linearized bound next to the measured contraction, and the lr_rule="lambda_max" step sizes."""
+the linearized bound next to the measured contraction, and the lr_rule="lambda_max" step sizes.
+
+K is diagonalized exactly when J fits theory.max_jacobian_entries, else estimated by Lanczos
+(`analysis.lanczos`, J never formed), whose residuals are logged next to the eigenvalues."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import jax
 import numpy as np
 
 from resconv_jax.analysis import theory
+from resconv_jax.analysis.lanczos import tangent_kernel_lanczos
 from resconv_jax.multihost import to_host
 
 
@@ -17,27 +21,48 @@ def loss_scale(config, num_outputs: int) -> float:
     return 1.0 if config.optim.reduction == "sum" else 1.0 / num_outputs
 
 
-def jacobian_fits(config, num_outputs: int, params: dict) -> bool:
+def jacobian_fits(config, num_outputs: int, num_params: int) -> bool:
     """Whether J (outputs × the parameters of one run) fits theory.max_jacobian_entries."""
-    num_params = sum(np.size(leaf) for leaf in jax.tree.leaves(params))
     return num_outputs * num_params <= config.theory.max_jacobian_entries
+
+
+def lanczos_eigenvalues(predict, iterations: int):
+    """(params, hp, x) -> (λ_min, λ_max, res_min, res_max), each (R,): Lanczos per run (lax.map),
+    `predict(params, hp, x)` one run's outputs."""
+
+    def one_run(run, x):
+        params, hp = run
+        spectrum = tangent_kernel_lanczos(
+            lambda p: predict(p, hp, x), params, iterations=iterations
+        )
+        return spectrum.lam_min, spectrum.lam_max, spectrum.res_min, spectrum.res_max
+
+    return lambda params, hp, x: jax.lax.map(lambda run: one_run(run, x), (params, hp))
+
+
+def lanczos_products(iterations: int, num_outputs: int, num_params: int) -> int:
+    """Products K v (one JVP and one VJP each) per run per Lanczos call (see `lanczos`)."""
+    if num_outputs <= num_params:
+        return min(iterations, num_outputs) + 2
+    return min(iterations, num_params) + 1
 
 
 @dataclasses.dataclass
 class Kernel:
     """The tangent-kernel certificate: jitted eigenvalues and the latest λ_max per run."""
 
-    eigenvalues: object  # jitted (params, hp, x) -> (λ_min (R,), λ_max (R,))
+    # jitted (params, hp, x) -> (λ_min, λ_max), each (R,); Lanczos adds (res_min, res_max)
+    eigenvalues: object
     loss_scale: float
     lam_max: np.ndarray | None = None
 
     def records(self, params, hp, x, lrs: np.ndarray, contraction: np.ndarray) -> list[dict]:
-        lam_min, lam_max = (to_host(v) for v in self.eigenvalues(params, hp, x))
+        lam_min, lam_max, *residuals = (to_host(v) for v in self.eigenvalues(params, hp, x))
         self.lam_max = lam_max
         bound = theory.certificate_bound(lrs, lam_min, loss_scale=self.loss_scale, lam_max=lam_max)
         holds = theory.bound_holds(contraction, bound)
         stable = theory.stable_lr(lam_max, loss_scale=self.loss_scale)
-        return [
+        records = [
             {
                 "ntk/lambda_min": lam_min[r],
                 "ntk/lambda_max": lam_max[r],
@@ -47,10 +72,14 @@ class Kernel:
             }
             for r in range(len(lrs))
         ]
+        if residuals:
+            for record, res_min, res_max in zip(records, *residuals, strict=True):
+                record |= {"ntk/residual_min": res_min, "ntk/residual_max": res_max}
+        return records
 
 
 def with_kernel_lrs(config, runs, kernel: Kernel, params, hp, x):
     """lr_rule="lambda_max": each run's η = lr_factor / (λ_max(K)·loss_scale) at initialization."""
-    _, lam_max = (to_host(v) for v in kernel.eigenvalues(params, hp, x))
+    _, lam_max, *_ = (to_host(v) for v in kernel.eigenvalues(params, hp, x))
     lrs = config.optim.lr_factor / (lam_max * kernel.loss_scale)
     return [dataclasses.replace(run, lr=float(lr)) for run, lr in zip(runs, lrs, strict=True)]

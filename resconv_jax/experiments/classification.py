@@ -55,7 +55,7 @@ def accuracy_rows(history: list[dict]) -> list[dict]:
             }
         )
     rows = []
-    for (layers, beta_attn, beta_ffn), members in sorted(groups.items()):
+    for (layers, _, beta_attn, beta_ffn), members in sorted(groups.items()):
         row = {"num_layers": layers, "beta_attn": beta_attn, "beta_ffn": beta_ffn}
         row["runs"] = len(members)
         for key in members[0]:

@@ -17,7 +17,7 @@ from etils import epath
 
 from resconv_jax import workdir as wd
 from resconv_jax.analysis.summary import fit_floor
-from resconv_jax.experiments import classification, regression
+from resconv_jax.experiments import classification, conditioning, depth, descent, regression
 from resconv_jax.metrics import read_metrics
 from resconv_jax.sweep import group_folder
 from resconv_jax.workdir import WorkdirLock, read_saved_config
@@ -40,13 +40,19 @@ def _shape(match) -> tuple[int | None, int | None]:
     return tuple(None if v is None else int(v) for v in match.groups())
 
 
-def _write_one(workdir: epath.Path, threshold: float, floor: float) -> list[str]:
+def _write_one(workdir: epath.Path, config: dict, threshold: float, floor: float) -> list[str]:
     """The figures and tables of one run directory; returns the tables as printed."""
     history = read_metrics(workdir)
     if not history:
         return []
     rows = regression.write_reports(workdir, history, threshold, floor)
     tables = [regression.format_beta_table(rows)] if len(rows) > 1 else []
+    if any("step_losses" in line for line in history):
+        tables.append(descent.write_descent_report(workdir, history))
+    if len({line.get("dim") for line in history}) > 1:
+        tables.append(conditioning.write_conditioning_report(workdir, history, config, floor))
+    if len({line.get("num_layers") for line in history}) > 1:
+        tables.append(depth.write_depth_report(workdir, history, floor))
     if any("error" in line for line in history):
         accuracy = classification.write_classification_report(workdir, history)
         tables.append(classification.format_accuracy_table(accuracy))
@@ -67,8 +73,8 @@ def write_run_report(workdir) -> list[str]:
     lock.acquire()
     try:
         for group_dir in group_dirs(workdir):
-            _write_one(group_dir, threshold, floor)
-        return _write_one(workdir, threshold, floor)
+            _write_one(group_dir, config, threshold, floor)
+        return _write_one(workdir, config, threshold, floor)
     finally:
         lock.release()
 

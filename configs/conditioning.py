@@ -1,0 +1,52 @@
+"""Rate against conditioning (claim 2): the theory regime swept over β × seeds × width d.
+
+Claim 2 of docs/protocol.md: the linear rate is set by the extreme singular values of the
+attention output matrix Z = Attn(X) + βX. At d = P·M (square Z of one sample stack) σ_min(Z) is
+erratic between seeds, so the sweep adds wider embeddings, d ∈ {P·M, 2·P·M, 4·P·M}, one compiled
+program per width (`sweep.dim`), each on its own Gaussian data (data.seed 0) and every β of a seed
+from the same initial weights.
+
+    python -m resconv_jax.main --config=configs/conditioning.py --workdir=workdirs/conditioning
+
+Per run (summary.json, conditioning_runs.csv): the fitted linear rate and R² over the logged steps
+above the fit floor, σ_min²/σ_max²(Z) at initialization and averaged over that window,
+λ_min(K)/λ_max(K) of the tangent kernel at initialization, and η. Per width: Spearman's ρ of
+1 − rate against σ_min²/σ_max²(Z) and against η·λ_min(K), and the log-log slope (rate_scatter.png,
+step_size.png: the stable step 2/λ_max(K) against σ_max²(Z) at initialization).
+
+Our protocol (the paper gives no sizes): P = 8, M = 8, d_QK = 16, d_h = 64, the sum loss, one
+η = 2e-4 for every run (below 1/λ_max(K) at initialization of the most curved run, β = 1 at
+d = 4·P·M), 3000 steps; 11 β × 5 seeds × 3 widths = 165 runs. `:small` (for
+`python -m resconv_jax.reproduce --scale=small`): 5 β × 3 seeds × d ∈ {P·M, 2·P·M}, 1500 steps.
+"""
+
+from resconv_jax.config_defaults import base_config
+
+
+def get_config(arg=None):
+    small = arg == "small"
+    config = base_config()
+    config.model.d_qk = 16
+    config.model.d_h = 64
+    config.data.num_samples = 8  # P
+    config.data.seq_len = 8  # M
+    config.data.dim = 64  # replaced by sweep.dim
+    config.data.out_dim = 1
+    config.optim.lr = 2e-4
+    config.train.num_steps = 1500 if small else 3000
+    config.train.log_every = 10
+    config.train.print_every = 500
+    config.train.checkpoint_every = 500
+    config.probe.every = 50
+    config.probe.per_sample = False
+    config.theory.every = config.train.num_steps  # the tangent kernel at initialization only
+    if small:
+        config.sweep.beta = (0.0, 0.25, 0.5, 0.75, 1.0)
+        config.sweep.seed = (0, 1, 2)
+        config.sweep.dim = (64, 128)
+    else:
+        config.sweep.beta = tuple(round(0.1 * i, 1) for i in range(11))
+        config.sweep.seed = (0, 1, 2, 3, 4)
+        config.sweep.dim = (64, 128, 256)
+    config.lock()
+    return config

@@ -1,0 +1,185 @@
+"""Rate against conditioning (claim 2), from a width sweep's metrics (configs/conditioning.py).
+
+Per run: the fitted linear rate ρ and R² over the logged steps above the fit floor, the speed
+1 − ρ, σ_min²/σ_max²(Z) (layer 0) at initialization and averaged over the probes of that window,
+λ_min(K), λ_max(K) at initialization and η·λ_min(K) (η scaled by the loss reduction). Per width d:
+Spearman's ρ of the speed against σ_min²/σ_max²(Z) at initialization, against its window mean and
+against η·λ_min(K), and the log-log slope of the speed against σ_min²/σ_max²(Z).
+
+Files: conditioning_runs.csv, conditioning_table.csv, rate_scatter.png and step_size.png (the stable
+step 2/λ_max(K) against σ_max²(Z) at initialization: the paper's "the usable step size shrinks with
+σ_max").
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from scipy import stats
+
+from resconv_jax import workdir as wd
+from resconv_jax.analysis.summary import FIT_FLOOR, fit_rate, series
+from resconv_jax.experiments.regression import plt, save_figure
+from resconv_jax.workdir import write_csv
+
+Z_MIN, Z_MAX = "layer0/z/sigma_min", "layer0/z/sigma_max"
+
+
+def _first(history: list[dict], run: int, key: str) -> float:
+    values = series(history, run, key)[1]
+    return float(values[0]) if values.size else math.nan
+
+
+def run_rows(history: list[dict], loss_scale: float = 1.0, floor: float = FIT_FLOOR) -> list[dict]:
+    """One row per run (see the module docstring); `loss_scale` is 1 for the sum loss."""
+    rows = []
+    for run in sorted({line["run"] for line in history}):
+        lines = [line for line in history if line["run"] == run]
+        steps, losses = series(lines, run, "loss")
+        rate, r2 = fit_rate(steps, losses, floor)
+        window = [line for line in lines if line["loss"] > floor * losses[0] and Z_MIN in line]
+        ratio = np.array([(line[Z_MIN] / line[Z_MAX]) ** 2 for line in window])
+        first = lines[0]
+        lam_min = _first(lines, run, "ntk/lambda_min")
+        rows.append(
+            {
+                "run": run,
+                "dim": first.get("dim", 0),
+                "num_layers": first.get("num_layers", 1),
+                "seed": first["seed"],
+                "beta_attn": first["beta_attn"],
+                "beta_ffn": first["beta_ffn"],
+                "lr": first["lr"],
+                "rate": rate,
+                "rate_r2": r2,
+                "speed": 1.0 - rate,
+                "z_ratio_sq_init": _first(lines, run, Z_MIN) ** 2 / _first(lines, run, Z_MAX) ** 2,
+                "z_ratio_sq_window_mean": float(ratio.mean()) if ratio.size else math.nan,
+                "z_sigma_max_sq_init": _first(lines, run, Z_MAX) ** 2,
+                "lambda_min_init": lam_min,
+                "lambda_max_init": _first(lines, run, "ntk/lambda_max"),
+                "lambda_ratio_init": lam_min / _first(lines, run, "ntk/lambda_max"),
+                "eta_lambda_min_init": first["lr"] * loss_scale * lam_min,
+                "stable_lr_init": _first(lines, run, "ntk/stable_lr"),
+            }
+        )
+    return rows
+
+
+def spearman(x, y) -> float:
+    """Spearman's rank correlation over the pairs where both are finite (NaN with < 3)."""
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    keep = np.isfinite(x) & np.isfinite(y)
+    if keep.sum() < 3:
+        return math.nan
+    return float(stats.spearmanr(x[keep], y[keep]).statistic)
+
+
+def log_slope(x, y) -> float:
+    """Least-squares slope of log y against log x over the positive finite pairs."""
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    keep = np.isfinite(x) & np.isfinite(y) & (x > 0) & (y > 0)
+    if keep.sum() < 3:
+        return math.nan
+    return float(np.polyfit(np.log(x[keep]), np.log(y[keep]), 1)[0])
+
+
+def width_table(rows: list[dict], num_tokens: int | None = None) -> list[dict]:
+    """One row per width d: Spearman's ρ of the speed 1 − rate against each measure, the log-log
+    slope against σ_min²/σ_max²(Z) at init, and d/(P·M) when `num_tokens` = P·M is given."""
+    table = []
+    for dim in sorted({row["dim"] for row in rows}):
+        same = [row for row in rows if row["dim"] == dim]
+        speed = [row["speed"] for row in same]
+        entry = {"dim": dim, "runs": len(same)}
+        if num_tokens:
+            entry["dim_over_pm"] = dim / num_tokens
+        for name in ("z_ratio_sq_init", "z_ratio_sq_window_mean", "eta_lambda_min_init"):
+            entry[f"rho_{name}"] = spearman(speed, [row[name] for row in same])
+        entry["rho_beta"] = spearman(speed, [row["beta_attn"] for row in same])
+        entry["slope_z_ratio_sq_init"] = log_slope([row["z_ratio_sq_init"] for row in same], speed)
+        entry["min_rate_r2"] = float(np.nanmin([row["rate_r2"] for row in same]))
+        table.append(entry)
+    return table
+
+
+def format_width_table(table: list[dict]) -> str:
+    """The per-width table as printed at the end of a run."""
+    lines = [
+        "rate against conditioning (Spearman ρ of 1 − rate over β × seeds, per width d):",
+        f"{'d':>5} {'runs':>4} {'ρ σ²min/σ²max(Z) init':>22} {'window':>7} {'ρ ηλmin(K)':>11} "
+        f"{'ρ β':>6} {'slope':>6} {'min R²':>7}",
+    ]
+    for row in table:
+        lines.append(
+            f"{row['dim']:>5} {row['runs']:>4} {row['rho_z_ratio_sq_init']:>22.3f} "
+            f"{row['rho_z_ratio_sq_window_mean']:>7.3f} {row['rho_eta_lambda_min_init']:>11.3f} "
+            f"{row['rho_beta']:>6.3f} {row['slope_z_ratio_sq_init']:>6.3f} "
+            f"{row['min_rate_r2']:>7.4f}"
+        )
+    return "\n".join(lines)
+
+
+def _by_width(rows: list[dict]):
+    dims = sorted({row["dim"] for row in rows})
+    colors = plt.cm.viridis(np.linspace(0, 0.85, max(len(dims), 1)))
+    for color, dim in zip(colors, dims, strict=True):
+        yield dim, color, [row for row in rows if row["dim"] == dim]
+
+
+def plot_rate_scatter(rows: list[dict], table: list[dict], path) -> None:
+    """1 − rate against σ_min²/σ_max²(Z) and against η·λ_min(K) at initialization, per width."""
+    rho = {entry["dim"]: entry for entry in table}
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
+    panels = (
+        ("z_ratio_sq_init", "σ_min²/σ_max² of Z = Attn(X) + βX at initialization"),
+        ("eta_lambda_min_init", "η·λ_min(K) at initialization (tangent kernel)"),
+    )
+    for ax, (key, xlabel) in zip(axes, panels, strict=True):
+        for dim, color, same in _by_width(rows):
+            label = f"d = {dim} (Spearman ρ {rho[dim][f'rho_{key}']:.2f})"
+            x, y = [row[key] for row in same], [row["speed"] for row in same]
+            ax.loglog(x, y, "o", color=color, alpha=0.75, label=label)
+        ax.set(xlabel=xlabel, ylabel="convergence speed 1 − rate (per step)")
+        ax.legend(fontsize=8)
+    axes[0].set_title("Speed against conditioning of Z (one point per β, seed)")
+    axes[1].set_title("Speed against the PL constant of the linearized step")
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+def plot_step_size(rows: list[dict], path) -> None:
+    """The stable step 2/λ_max(K) against σ_max²(Z), both at initialization, per width; the η
+    used drawn as a line."""
+    fig, ax = plt.subplots(figsize=(6, 4.4))
+    for dim, color, same in _by_width(rows):
+        x = [row["z_sigma_max_sq_init"] for row in same]
+        ax.loglog(x, [row["stable_lr_init"] for row in same], "o", color=color, label=f"d = {dim}")
+    for lr in sorted({row["lr"] for row in rows}):
+        ax.axhline(lr, color="0.3", linestyle="--", linewidth=1, label=f"η used = {lr:g}")
+    ax.set(
+        xlabel="σ_max² of Z at initialization",
+        ylabel="stable step size 2/λ_max(K) at initialization",
+        title="The usable step size shrinks with σ_max(Z)",
+    )
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+def write_conditioning_report(workdir, history: list[dict], config: dict, floor: float) -> str:
+    """conditioning_runs.csv, conditioning_table.csv and the two figures; the printed table."""
+    workdir = wd.path(workdir)
+    data = config.get("data", {})
+    reduction = config.get("optim", {}).get("reduction", "sum")
+    num_tokens = data.get("num_samples", 0) * data.get("seq_len", 0)
+    loss_scale = 1.0 if reduction == "sum" else 1.0 / (num_tokens * data.get("out_dim", 1))
+    rows = run_rows(history, loss_scale, floor)
+    table = width_table(rows, num_tokens or None)
+    write_csv(workdir / "conditioning_runs.csv", rows)
+    write_csv(workdir / "conditioning_table.csv", table)
+    plot_rate_scatter(rows, table, workdir / "rate_scatter.png")
+    if not np.isnan(rows[0]["stable_lr_init"]):
+        plot_step_size(rows, workdir / "step_size.png")
+    return format_width_table(table)

@@ -1,0 +1,109 @@
+"""Linear convergence per depth (claim 4), from a depth sweep's metrics (configs/depth.py).
+
+Per run: the fitted linear rate and R² over the logged steps above the fit floor, and the
+σ_min²/σ_max² of each layer's Z at initialization; the "slowest layer" is the one with the smallest
+ratio. Over all runs: Spearman's ρ between the speed 1 − rate and that smallest ratio (does the
+worst-conditioned layer predict the rate?).
+
+Files: depth_runs.csv, depth_sigma.png (σ_min(Z) of every layer against step, one panel per depth).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from resconv_jax import workdir as wd
+from resconv_jax.analysis.summary import FIT_FLOOR, fit_rate, series
+from resconv_jax.experiments.conditioning import spearman
+from resconv_jax.experiments.regression import plt, save_figure
+from resconv_jax.workdir import write_csv
+
+
+def _layer_ratio_sq(line: dict, layer: int) -> float:
+    low, high = line.get(f"layer{layer}/z/sigma_min"), line.get(f"layer{layer}/z/sigma_max")
+    return (low / high) ** 2 if low is not None and high else math.nan
+
+
+def depth_rows(history: list[dict], floor: float = FIT_FLOOR) -> list[dict]:
+    """One row per run: settings, rate, R², speed and the slowest layer's ratio at init."""
+    rows = []
+    for run in sorted({line["run"] for line in history}):
+        lines = [line for line in history if line["run"] == run]
+        first = lines[0]
+        layers = first.get("num_layers", 1)
+        rate, r2 = fit_rate(*series(lines, run, "loss"), floor)
+        ratios = [_layer_ratio_sq(first, i) for i in range(layers)]
+        slowest = int(np.nanargmin(ratios)) if np.isfinite(ratios).any() else -1
+        rows.append(
+            {
+                "run": run,
+                "num_layers": layers,
+                "seed": first["seed"],
+                "beta_attn": first["beta_attn"],
+                "beta_ffn": first["beta_ffn"],
+                "rate": rate,
+                "rate_r2": r2,
+                "speed": 1.0 - rate,
+                "final_loss": lines[-1]["loss"],
+                "slowest_layer": slowest,
+                "slowest_ratio_sq_init": ratios[slowest] if slowest >= 0 else math.nan,
+            }
+        )
+    return rows
+
+
+def _finite_min(values) -> float:
+    return min((v for v in values if np.isfinite(v)), default=math.nan)
+
+
+def format_depth_table(rows: list[dict]) -> str:
+    """Per (L, β): the runs' rates and R²; then ρ(speed, slowest layer's ratio)."""
+    lines = [
+        "linear convergence per depth (rate and R² of the log-loss fit above the floor):",
+        f"{'L':>3} {'beta':>5} {'runs':>4} {'rate/step':>9} {'min R²':>7} {'final loss':>11} "
+        f"{'slowest σ²min/σ²max(Z) init':>27}",
+    ]
+    keys = sorted({(r["num_layers"], r["beta_attn"]) for r in rows})
+    for layers, beta in keys:
+        same = [r for r in rows if (r["num_layers"], r["beta_attn"]) == (layers, beta)]
+        lines.append(
+            f"{layers:>3} {beta:>5g} {len(same):>4} {np.mean([r['rate'] for r in same]):>9.5f} "
+            f"{_finite_min([r['rate_r2'] for r in same]):>7.4f} "
+            f"{np.mean([r['final_loss'] for r in same]):>11.4e} "
+            f"{np.mean([r['slowest_ratio_sq_init'] for r in same]):>27.3g}"
+        )
+    rho = spearman([r["speed"] for r in rows], [r["slowest_ratio_sq_init"] for r in rows])
+    lines.append(f"Spearman ρ(1 − rate, slowest layer's σ_min²/σ_max²(Z) at init) = {rho:.3f}")
+    return "\n".join(lines)
+
+
+def plot_depth_sigma(history: list[dict], rows: list[dict], path) -> None:
+    """σ_min(Z) of each layer against step, one panel per depth; colour: layer, style: β."""
+    depths = sorted({r["num_layers"] for r in rows})
+    betas = sorted({r["beta_attn"] for r in rows})
+    styles = dict(zip(betas, ["-", "--", ":", "-."] * (len(betas) // 4 + 1), strict=False))
+    fig, axes = plt.subplots(1, len(depths), figsize=(3.6 * len(depths), 3.8), squeeze=False)
+    for ax, layers in zip(axes[0], depths, strict=True):
+        colors = plt.cm.plasma(np.linspace(0, 0.85, layers))
+        for row in (r for r in rows if r["num_layers"] == layers and r["seed"] == rows[0]["seed"]):
+            for layer, color in enumerate(colors):
+                steps, values = series(history, row["run"], f"layer{layer}/z/sigma_min")
+                label = f"layer {layer}, β={row['beta_attn']:g}"
+                ax.semilogy(steps, values, styles[row["beta_attn"]], color=color, label=label)
+        ax.set(xlabel="step", ylabel="σ_min(Z) of the layer", title=f"L = {layers}")
+        ax.legend(fontsize=6)
+    fig.suptitle(f"Per-layer σ_min(Z), seed {rows[0]['seed']} (line style: β)", fontsize=10)
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+def write_depth_report(workdir, history: list[dict], floor: float) -> str:
+    """depth_runs.csv and depth_sigma.png in `workdir`; the printed table."""
+    workdir = wd.path(workdir)
+    rows = depth_rows(history, floor)
+    write_csv(workdir / "depth_runs.csv", rows)
+    if any("layer0/z/sigma_min" in line for line in history):
+        plot_depth_sigma(history, rows, workdir / "depth_sigma.png")
+    return format_depth_table(rows)

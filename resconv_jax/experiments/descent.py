@@ -1,0 +1,154 @@
+"""Early descent at single-step resolution, relative to each run's own start (claim 5a).
+
+The same initial weights give each β a different initial function (and loss), so an absolute loss
+threshold mixes where a run starts with how fast it descends. Here speed is the number of steps
+until L_t ≤ f·L_0, read from the per-step losses that runs log over their first
+`train.step_losses_until` steps ("step_losses" on each metrics line), per run and seed; the
+ordering by β is Kendall's τ-b between β_a and those steps over all runs, with its two-sided
+p-value (negative τ: larger β needs fewer steps).
+
+Files: descent_table.csv (per run), descent_by_beta.png (L_t/L_0 over the early window; steps to
+f·L_0 against β per seed).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from scipy import stats
+
+from resconv_jax import workdir as wd
+from resconv_jax.experiments.regression import plt, save_figure
+from resconv_jax.workdir import write_csv
+
+FRACTIONS = (0.5, 0.2)  # f in "steps until L_t <= f·L_0"; HEADLINE is the one the claim uses
+HEADLINE = 0.2
+
+
+def early_losses(history: list[dict], run: int) -> np.ndarray:
+    """(T,) the training loss of `run` at steps 0 … T−1, from the lines that hold "step_losses"
+    (contiguous from step 0; the window ends at the first gap)."""
+    lines = sorted(
+        (line for line in history if line["run"] == run and "step_losses" in line),
+        key=lambda line: line["step"],
+    )
+    losses: list[float] = []
+    for line in lines:
+        if line["step"] != len(losses):
+            break
+        losses.extend(float(v) for v in line["step_losses"])
+    return np.array(losses)
+
+
+def steps_to_fraction(losses: np.ndarray, fraction: float) -> float:
+    """First step t with L_t ≤ fraction·L_0 (NaN if the window never gets there)."""
+    below = np.flatnonzero(losses <= fraction * losses[0]) if losses.size else np.array([])
+    return float(below[0]) if below.size else math.nan
+
+
+def kendall(x, y) -> tuple[float, float]:
+    """(τ-b, two-sided p-value) over the pairs where both are finite; NaNs with < 3 pairs."""
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    keep = np.isfinite(x) & np.isfinite(y)
+    if keep.sum() < 3:
+        return math.nan, math.nan
+    result = stats.kendalltau(x[keep], y[keep])
+    return float(result.statistic), float(result.pvalue)
+
+
+def descent_rows(history: list[dict]) -> list[dict]:
+    """One row per run: settings, L_0, the window length and steps to f·L_0 for each f."""
+    rows = []
+    for run in sorted({line["run"] for line in history}):
+        first = next(line for line in history if line["run"] == run)
+        losses = early_losses(history, run)
+        row = {k: first[k] for k in ("run", "seed", "beta_attn", "beta_ffn")}
+        row |= {"initial_loss": float(losses[0]) if losses.size else math.nan}
+        row["window_steps"] = int(losses.size)
+        for f in FRACTIONS:
+            row[f"steps_to_{f:g}"] = steps_to_fraction(losses, f)
+        rows.append(row)
+    return rows
+
+
+def ordering(rows: list[dict], fraction: float = HEADLINE) -> dict:
+    """Kendall's τ between β_a and steps to `fraction`·L_0 over all runs, and per seed."""
+    key = f"steps_to_{fraction:g}"
+    tau, p = kendall([r["beta_attn"] for r in rows], [r[key] for r in rows])
+    per_seed = {}
+    for seed in sorted({r["seed"] for r in rows}):
+        same = [r for r in rows if r["seed"] == seed]
+        per_seed[seed] = kendall([r["beta_attn"] for r in same], [r[key] for r in same])[0]
+    reached = sum(np.isfinite(r[key]) for r in rows)
+    return {"fraction": fraction, "tau": tau, "p_value": p, "per_seed_tau": per_seed,
+            "runs": len(rows), "reached": int(reached)}  # fmt: skip
+
+
+def format_ordering(rows: list[dict]) -> str:
+    """The printed summary: τ and p per fraction, the per-seed τ, and steps per β and seed."""
+    lines = []
+    for f in FRACTIONS:
+        o = ordering(rows, f)
+        seeds = ", ".join(f"seed {s}: {t:+.2f}" for s, t in o["per_seed_tau"].items())
+        lines.append(
+            f"steps until L_t <= {f:g}·L_0: Kendall τ(β, steps) = {o['tau']:+.3f} "
+            f"(p = {o['p_value']:.2g}, {o['reached']} of {o['runs']} runs reached it); {seeds}"
+        )
+    key = f"steps_to_{HEADLINE:g}"
+    for seed in sorted({r["seed"] for r in rows}):
+        same = sorted((r for r in rows if r["seed"] == seed), key=lambda r: r["beta_attn"])
+        steps = " ".join(f"β={r['beta_attn']:g}:{r[key]:.0f}" for r in same)
+        lines.append(f"  seed {seed}, steps to {HEADLINE:g}·L_0: {steps}")
+    return "\n".join(lines)
+
+
+def plot_descent(history: list[dict], rows: list[dict], path) -> None:
+    """L_t/L_0 per run over the early window (colour: β; line style: seed), and steps to
+    HEADLINE·L_0 against β per seed, with Kendall's τ."""
+    betas = sorted({r["beta_attn"] for r in rows})
+    seeds = sorted({r["seed"] for r in rows})
+    colors = dict(zip(betas, plt.cm.viridis(np.linspace(0, 0.9, len(betas))), strict=True))
+    styles = dict(zip(seeds, ["-", "--", ":", "-."] * (len(seeds) // 4 + 1), strict=False))
+    fig, (ax_curve, ax_steps) = plt.subplots(1, 2, figsize=(11, 4.4))
+    for row in rows:
+        losses = early_losses(history, row["run"])
+        label = f"β={row['beta_attn']:g}" if row["seed"] == seeds[0] else None
+        ax_curve.semilogy(
+            losses / losses[0], styles[row["seed"]], color=colors[row["beta_attn"]], label=label
+        )
+    for f in FRACTIONS:
+        ax_curve.axhline(f, color="0.4", linewidth=0.8, linestyle=(0, (2, 2)))
+        ax_curve.annotate(f"{f:g}·L_0", (0, f), fontsize=7, va="bottom")
+    style_note = ", ".join(f"{styles[s]} seed {s}" for s in seeds)
+    ax_curve.set(
+        xlabel="step",
+        ylabel="L_t / L_0 (each run relative to its own start)",
+        title=f"Early descent per run (line style: {style_note})",
+    )
+    ax_curve.legend(fontsize=8)
+    key = f"steps_to_{HEADLINE:g}"
+    markers = dict(zip(seeds, "osd^v<>" * (len(seeds) // 7 + 1), strict=False))
+    for seed in seeds:
+        same = sorted((r for r in rows if r["seed"] == seed), key=lambda r: r["beta_attn"])
+        x = [r["beta_attn"] for r in same]
+        ax_steps.plot(x, [r[key] for r in same], marker=markers[seed], label=f"seed {seed}")
+    o = ordering(rows)
+    ax_steps.set(
+        xlabel="β (both residuals)",
+        ylabel=f"steps until L_t ≤ {HEADLINE:g}·L_0",
+        title=f"Kendall τ(β, steps) = {o['tau']:+.2f} (p = {o['p_value']:.2g})",
+    )
+    ax_steps.legend(fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+def write_descent_report(workdir, history: list[dict]) -> str:
+    """descent_table.csv and descent_by_beta.png in `workdir`; the printed summary."""
+    workdir = wd.path(workdir)
+    rows = descent_rows(history)
+    write_csv(workdir / "descent_table.csv", rows)
+    if len({r["beta_attn"] for r in rows}) > 1:
+        plot_descent(history, rows, workdir / "descent_by_beta.png")
+    return format_ordering(rows)

@@ -1,0 +1,273 @@
+"""Every claim of the paper, checked by one command: runs (or resumes, or reuses) each experiment
+in DIR/<name>/ and writes DIR/REPORT.md, the claims table of docs/protocol.md with a verdict per
+claim, then each experiment's tables and figures, the machine, versions and wall times.
+
+    python -m resconv_jax.reproduce --workdir=DIR [--scale=small|paper|tiny]
+
+`small` fits 2 CPU cores in about 15 minutes; `paper` is the full protocol (a GPU or a pod);
+`tiny` is a smoke test of seconds whose numbers mean nothing. A finished experiment (its
+config.json equal to this scale's config, every run at its last step) is reused, not rerun; an
+interrupted one resumes. SST-2 uses the pretrained GPT-2 when its weights are found (see
+configs/sst2.py) and otherwise the random-init variant, labelled so in the report.
+
+Exit status: 0 when every experiment ran or was reused, 1 when one could not run (the report
+says which and why), 2 for bad flags or a workdir that cannot be written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import time
+from importlib import metadata
+from pathlib import Path
+
+import jax
+
+from resconv_jax import experiments
+from resconv_jax import workdir as wd
+from resconv_jax.config_defaults import load_config_file
+from resconv_jax.divergence import TrainingDiverged
+from resconv_jax.experiments import claims
+from resconv_jax.experiments.report import write_run_report
+from resconv_jax.workdir import WorkdirBusy, WorkdirWriteError, read_saved_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+REPORT_FILE = "REPORT.md"
+TIMES_FILE = "reproduce.json"
+SCALES = ("tiny", "small", "paper")
+FLOAT64 = {"model.dtype": "float64", "probe.dtype": "float64"}
+# The certificate's premise, η ≤ 1/λ_max(K): each run's η = 0.9/λ_max(K) at its initialization.
+SMOOTH = {"model.activation": "softplus", "optim.lr_rule": "lambda_max", "optim.lr_factor": 0.9}
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+    """One experiment of the report: a config file (`file:arg`) with overrides, in DIR/name."""
+
+    name: str
+    config: str
+    overrides: dict
+    title: str
+
+    def load(self):
+        path, _, arg = self.config.partition(":")
+        return load_config_file(str(CONFIGS / path), arg or None, **self.overrides)
+
+
+def experiment_list(scale: str) -> list[Experiment]:
+    """The experiments of `scale`, in the order they run."""
+    small, tiny = scale == "small", scale == "tiny"
+    short = {"train.num_steps": 40, "train.checkpoint_every": 20, "train.print_every": 20}
+    theory = short if tiny else {}
+    size = "small" if small or tiny else ""
+    conditioning = depth = {}
+    if tiny:
+        conditioning = short | {
+            "sweep.dim": (64, 128),
+            "sweep.seed": (0, 1),
+            "sweep.beta": (0.0, 1.0),
+        }
+        conditioning |= {"theory.every": 40, "probe.every": 20}
+        depth = short | {"sweep.num_layers": (1, 2), "sweep.seed": (0,), "probe.every": 20}
+    jena = {}
+    if small or tiny:
+        steps = 20 if tiny else 300
+        jena = {"train.num_steps": steps, "train.checkpoint_every": steps // 2}
+        jena |= {"train.print_every": steps // 2, "train.step_losses_until": steps}
+    sst2 = {}
+    if small or tiny:
+        sst2 = {"data.num_train": 16 if tiny else 64, "data.max_tokens": 8 if tiny else 16}
+        sst2 |= {"train.num_steps": 10 if tiny else 100, "train.checkpoint_every": 10}
+        sst2 |= {"train.print_every": 10}
+        if tiny:
+            sst2 |= {"sweep.num_layers": (1, 2)}
+    rank = {"rank_collapse.seeds": (0, 1), "rank_collapse.d_qk_values": (1, 4096)} if tiny else {}
+    return [
+        Experiment("theory", "theory.py", FLOAT64 | theory, "Theory regime, ReLU, float64"),
+        Experiment(
+            "theory_softplus",
+            "theory.py",
+            FLOAT64 | theory | SMOOTH,
+            "Theory regime, softplus (smooth: Assumption 1), float64",
+        ),
+        Experiment(
+            "conditioning", f"conditioning.py:{size}", conditioning, "Rate against conditioning"
+        ),
+        Experiment("rank_collapse", "rank_collapse.py", rank, "Rank collapse at initialization"),
+        Experiment("depth", f"depth.py:{size}", depth, "Linear convergence per depth"),
+        Experiment("jena", "jena.py", jena, "Jena Climate β sweep"),
+        Experiment("sst2", "sst2.py", sst2, "SST-2, pretrained GPT-2"),
+    ]
+
+
+def _random_sst2(experiment: Experiment) -> Experiment:
+    return dataclasses.replace(
+        experiment,
+        name="sst2_random",
+        config="sst2.py:random_small",
+        title="SST-2, random-init GPT-2 (not the pretrained model)",
+    )
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What happened to one experiment in this invocation."""
+
+    experiment: Experiment
+    workdir: str
+    status: str  # "ran", "reused" or "not run"
+    seconds: float | None
+    tables: list[str]
+    reason: str = ""
+
+
+def _finished(config, workdir: str) -> bool:
+    """Whether `workdir` holds this config's run, finished (no step left to train)."""
+    saved = read_saved_config(workdir)
+    if saved is None or saved != json.loads(config.to_json_best_effort()):
+        return False
+    folder = wd.path(workdir)
+    if config.task == "rank_collapse":
+        return (folder / "rank_collapse.csv").exists()
+    summary = folder / "summary.json"
+    if not summary.exists():
+        return False
+    runs = json.loads(summary.read_text())
+    return bool(runs) and all(r["final_step"] == config.train.num_steps for r in runs)
+
+
+def _run_one(experiment: Experiment, root: str, times: dict) -> Outcome:
+    config = experiment.load()
+    workdir = os.path.join(root, experiment.name)
+    float64 = config.model.dtype == "float64" or config.probe.dtype == "float64"
+    print(f"== {experiment.name}: {experiment.title} ({workdir})", flush=True)
+    with jax.enable_x64(float64):
+        if _finished(config, workdir):
+            tables = [] if config.task == "rank_collapse" else write_run_report(workdir)
+            seconds = times.get(experiment.name, {}).get("seconds")
+            print(f"   finished before: reused ({workdir})", flush=True)
+            return Outcome(experiment, workdir, "reused", seconds, tables)
+        start = time.perf_counter()
+        experiments.run(config, workdir)
+        tables = [] if config.task == "rank_collapse" else write_run_report(workdir)
+        return Outcome(experiment, workdir, "ran", time.perf_counter() - start, tables)
+
+
+def run_experiment(experiment: Experiment, root: str, times: dict) -> Outcome:
+    """Runs, resumes or reuses `experiment`; an error that stops it (bad input, including data and
+    weights: ValueError; divergence; a busy or unwritable workdir) becomes a "not run" outcome.
+    Preempted is raised: the whole command stops, and a rerun resumes."""
+    try:
+        return _run_one(experiment, root, times)
+    except (ValueError, TrainingDiverged, WorkdirBusy, WorkdirWriteError) as error:
+        reason = str(error).splitlines()[0]
+        print(f"   not run: {reason}", flush=True)
+        return Outcome(experiment, os.path.join(root, experiment.name), "not run", None, [], reason)
+
+
+def run_sst2(experiment: Experiment, root: str, times: dict) -> tuple[Outcome, str]:
+    """The pretrained SST-2 run, or (weights not found) the random-init one; (outcome, label)."""
+    outcome = run_experiment(experiment, root, times)
+    if outcome.status != "not run" or "GPT-2 weights" not in outcome.reason:
+        return outcome, "pretrained GPT-2"
+    print("   pretrained weights unavailable: running the random-init variant instead", flush=True)
+    label = f"random-init GPT-2, not the pretrained model ({outcome.reason})"
+    return run_experiment(_random_sst2(experiment), root, times), label
+
+
+def claims_of(outcomes: dict[str, Outcome], sst2_label: str) -> list[claims.Claim]:
+    """The claims table from the experiments' run directories."""
+
+    def folder(name):
+        outcome = outcomes.get(name)
+        return outcome.workdir if outcome and outcome.status != "not run" else None
+
+    sst2 = outcomes.get("sst2")
+    return [
+        claims.linear_convergence(folder("theory")),
+        claims.rate_vs_conditioning(folder("conditioning")),
+        claims.residual_conditioning(folder("rank_collapse")),
+        claims.certificate(folder("theory_softplus")),
+        claims.multilayer(folder("depth")),
+        claims.jena_descent(folder("jena")),
+        claims.sst2_ordering(folder("sst2"), sst2_label if sst2 else ""),
+    ]
+
+
+def machine() -> list[str]:
+    """Lines describing this machine and the versions of the main packages."""
+    devices = jax.devices()
+    packages = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "scipy")
+    versions = []
+    for name in packages:
+        try:
+            versions.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            versions.append(f"{name} (not installed)")
+    return [
+        f"- machine: {platform.platform()}, {os.cpu_count()} CPU cores, Python "
+        f"{platform.python_version()}",
+        f"- JAX devices: {len(devices)} × {devices[0].device_kind} ({devices[0].platform})",
+        "- versions: " + ", ".join(versions),
+    ]
+
+
+def format_report(scale: str, outcomes: list[Outcome], table: list[claims.Claim]) -> str:
+    """REPORT.md: the claims table, then one section per experiment, then the machine."""
+    lines = [
+        "# resconv_jax: the paper's claims, checked",
+        "",
+        f"`python -m resconv_jax.reproduce --workdir=… --scale={scale}`, written "
+        f"{time.strftime('%Y-%m-%d %H:%M %Z')}. Claims, measures and thresholds: "
+        "docs/protocol.md (our protocol; the paper states none).",
+        "",
+        claims.format_claims_table(table),
+        "",
+    ]
+    for o in outcomes:
+        wall = f"{o.seconds:.0f} s" if o.seconds is not None else "wall time not recorded"
+        status = {"ran": f"ran in {wall}", "reused": f"reused (finished before; {wall})"}.get(
+            o.status, f"not run: {o.reason}"
+        )
+        lines += [f"## {o.experiment.title}", "", f"`{o.workdir}`, config `configs/"
+                  f"{o.experiment.config}`; {status}.", ""]  # fmt: skip
+        if o.experiment.overrides:
+            overrides = " ".join(f"--config.{k}={v}" for k, v in o.experiment.overrides.items())
+            lines += [f"Overrides: `{overrides}`", ""]
+        for text in o.tables:
+            lines += ["```", text, "```", ""]
+        folder = wd.path(o.workdir)
+        if folder.exists():
+            root = folder.parent
+            for png in sorted(folder.glob("*.png")):
+                lines += [f"![{o.experiment.name}: {png.stem}]({png.relative_to(root)})", ""]
+    lines += ["## Machine", "", *machine(), ""]
+    return "\n".join(lines)
+
+
+def reproduce(root: str, scale: str) -> int:
+    """Runs every experiment of `scale` in `root` and writes REPORT.md; the exit status."""
+    wd.make_folder(root, f"--workdir={root}")
+    times_path = wd.path(root) / TIMES_FILE
+    times = json.loads(times_path.read_text()) if times_path.exists() else {}
+    outcomes, sst2_label = {}, ""
+    for experiment in experiment_list(scale):
+        if experiment.name == "sst2":
+            outcome, sst2_label = run_sst2(experiment, root, times)
+            outcomes["sst2"] = outcome
+        else:
+            outcomes[experiment.name] = run_experiment(experiment, root, times)
+        outcome = outcomes[experiment.name]
+        if outcome.status == "ran":
+            times[outcome.experiment.name] = {"seconds": outcome.seconds, "scale": scale}
+            wd.write_json(times_path, times)
+    table = claims_of(outcomes, sst2_label)
+    report = format_report(scale, list(outcomes.values()), table)
+    with wd.atomic_open(wd.path(root) / REPORT_FILE) as f:
+        f.write(report)
+    print(claims.format_claims_table(table), flush=True)
+    print(f"wrote {wd.path(root) / REPORT_FILE}", flush=True)
+    return 0 if all(o.status != "not run" for o in outcomes.values()) else 1

@@ -1,0 +1,135 @@
+"""The report figures (`experiments.regression`) and the progress lines (`metrics.progress_line`),
+on small synthetic metrics histories."""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pytest
+from matplotlib.colors import to_hex
+
+from resconv_jax.experiments import regression
+from resconv_jax.metrics import progress_line
+
+
+def history(betas=(0.0, 0.5, 1.0), seeds=(0, 1), steps=range(0, 201, 10), layers=None):
+    """Metrics lines of a β × seed sweep whose loss falls faster for larger β."""
+    lines, run = [], 0
+    settings = []
+    for seed in seeds:
+        for beta in betas:
+            s = {"run": run, "seed": seed, "lr": 1e-3, "beta_attn": beta, "beta_ffn": beta}
+            if layers is not None:
+                s["num_layers"] = layers
+            settings.append(s)
+            run += 1
+    for step in steps:
+        for s in settings:
+            rate = 0.02 * (1 + s["beta_attn"])
+            loss = (1 + s["beta_attn"]) * np.exp(-rate * step) + 0.1 + 0.01 * s["seed"]
+            lines.append(
+                s
+                | {
+                    "step": step,
+                    "loss": float(loss),
+                    "layer0/z/sigma_min": 1.0 + s["beta_attn"],
+                    "layer0/attn/sigma_min": 1.0,
+                    "layer0/z/sigma_min_over_fro": 0.01 * (1 + s["beta_attn"]),
+                }
+            )
+    return lines
+
+
+@pytest.fixture(autouse=True)
+def _close_figures():
+    yield
+    plt.close("all")
+
+
+def _colors(ax) -> set[str]:
+    return {to_hex(line.get_color()) for line in ax.get_lines()}
+
+
+def test_training_colours_by_beta_and_marks_seeds():
+    fig = regression._training_figure(history(betas=(0.0, 0.5, 1.0), seeds=(0, 1)))
+    ax_loss, ax_sigma = fig.axes
+    assert len(ax_loss.get_lines()) == 6 and len(_colors(ax_loss)) == 3
+    assert {line.get_marker() for line in ax_loss.get_lines()} == {"o", "s"}
+    assert _colors(ax_sigma) == _colors(ax_loss)
+    texts = [t.get_text() for t in ax_loss.get_legend().get_texts()]
+    assert texts == ["seed 0", "seed 1"]  # the seed legend; the β one is an extra artist
+    beta_legend = [a for a in ax_loss.artists if a is not ax_loss.get_legend()]
+    assert [t.get_text() for t in beta_legend[0].get_texts()] == ["β=0", "β=0.5", "β=1"]
+    sigma_texts = " | ".join(t.get_text() for t in ax_sigma.get_legend().get_texts())
+    assert "σ_min(Z), Z = Attn(X)" in sigma_texts and "σ_min(Attn(X))" in sigma_texts
+    assert "loss" in ax_loss.get_ylabel() and "σ_min" in ax_sigma.get_ylabel()
+
+
+def test_training_with_many_seeds_draws_thin_lines_and_says_so():
+    fig = regression._training_figure(history(betas=(0.0, 1.0), seeds=range(7), layers=2))
+    ax_loss = fig.axes[0]
+    assert len(ax_loss.get_lines()) == 14 and len(_colors(ax_loss)) == 2
+    assert {line.get_marker() for line in ax_loss.get_lines()} == {"None"}
+    assert "thin lines" in ax_loss.get_title()
+    assert [t.get_text() for t in ax_loss.get_legend().get_texts()] == ["L=2, β=0", "L=2, β=1"]
+
+
+def test_loss_by_beta_draws_the_threshold_and_an_early_window():
+    lines = history(steps=range(0, 2001, 10))
+    rows, threshold = regression.beta_table(lines)
+    fig = regression._loss_by_beta_figure(lines, threshold)
+    assert len(fig.axes) == 2  # every run reaches the threshold early: a zoomed second panel
+    for ax in fig.axes:
+        dashed = [line for line in ax.get_lines() if line.get_linestyle() == "--"]
+        assert len(dashed) == 1 and set(dashed[0].get_ydata()) == {threshold}
+        assert len(_colors(ax) - {to_hex(dashed[0].get_color())}) == 3
+    texts = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert texts[-1] == f"threshold {threshold:.4g} (steps<thr in beta_table.csv)"
+    assert "mean" in fig.axes[0].get_title() and "min–max" in fig.axes[0].get_title()
+    last_reach = max(row["steps_to_threshold_max"] for row in rows)
+    assert fig.axes[1].get_xlim()[1] < 0.4 * 2000 and fig.axes[1].get_xlim()[1] > last_reach
+
+
+def test_loss_by_beta_without_an_early_descent_has_one_panel():
+    lines = history(steps=range(0, 201, 10))
+    _, threshold = regression.beta_table(lines)
+    assert len(regression._loss_by_beta_figure(lines, threshold).axes) == 1
+
+
+def test_write_reports_passes_the_table_threshold_to_loss_by_beta(tmp_path, monkeypatch):
+    seen = []
+    original = regression.plot_loss_by_beta
+    monkeypatch.setattr(
+        regression,
+        "plot_loss_by_beta",
+        lambda h, path, threshold=0.0: seen.append(threshold) or original(h, path, threshold),
+    )
+    rows = regression.write_reports(tmp_path, history())
+    assert seen == [rows[0]["threshold"]] and seen[0] > 0
+    for name in ("training.png", "loss_by_beta.png", "sigma_by_beta.png", "beta_table.csv"):
+        assert (tmp_path / name).stat().st_size > 0, name
+
+
+SETTINGS = [
+    {"run": r, "seed": r // 5, "lr": 4e-4, "beta_attn": b, "beta_ffn": b}
+    for r, b in enumerate([0.0, 0.25, 0.5, 0.75, 1.0] * 3)
+]
+
+
+def test_progress_line_names_the_step_of_the_losses_and_each_of_a_few_runs():
+    line = progress_line(2000, 2000, 1999, np.array([0.5, 0.25, 0.125]), 500.0, SETTINGS[:3])
+    assert line == (
+        "step 2000/2000  loss@1999: r0 β=0 5.000e-01, r1 β=0.25 2.500e-01, r2 β=0.5 1.250e-01"
+        "  500.0 steps/s  ETA 0s"
+    )
+    assert progress_line(10, 20, 9, [1.0], 2.0).startswith("step 10/20  loss@9: r0 1.000e+00 ")
+
+
+def test_progress_line_summarises_a_sweep():
+    losses = np.linspace(1.0, 2.0, 15)
+    losses[7], losses[3] = 0.1, 9.0
+    line = progress_line(200, 2000, 199, losses, 100.0, SETTINGS)
+    assert line.startswith("step 200/2000  loss@199: min 1.000e-01 (r7 β=0.5 seed 1), median ")
+    assert "max 9.000e+00 (r3 β=0.75 seed 0) over 15 runs  100.0 steps/s  ETA 18s" in line
+    losses[0] = np.nan
+    assert "(1 non-finite)" in progress_line(200, 2000, 199, losses, 100.0, SETTINGS)

@@ -1,0 +1,158 @@
+"""The claims table's verdicts from synthetic run directories, and the reproduce command."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from resconv_jax.experiments import claims
+from resconv_jax.workdir import write_csv
+
+
+def _summary(folder, runs, config=None):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "summary.json").write_text(json.dumps(runs))
+    if config is not None:
+        (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def test_linear_convergence_holds_only_when_every_beta_fits(tmp_path):
+    good = _summary(tmp_path / "a", [{"beta_attn": b, "rate_r2": 0.995} for b in (0, 1)])
+    bad = _summary(
+        tmp_path / "b", [{"beta_attn": 0, "rate_r2": 0.995}, {"beta_attn": 1, "rate_r2": 0.9}]
+    )
+    assert claims.linear_convergence(good).verdict == claims.HOLDS
+    row = claims.linear_convergence(bad)
+    assert row.verdict == claims.FAILS and "β=1: 0.9000" in row.value
+    missing = claims.linear_convergence(None)
+    assert missing.verdict == claims.NOT_RUN and missing.note == "experiment not run"
+    assert "summary.json missing" in claims.linear_convergence(str(tmp_path / "c")).note
+
+
+def _table(rho_square, rho_wide):
+    return [
+        {"dim": 64, "runs": 15, "dim_over_pm": 1.0, "rho_z_ratio_sq_init": rho_square,
+         "rho_eta_lambda_min_init": 0.9},
+        {"dim": 128, "runs": 15, "dim_over_pm": 2.0, "rho_z_ratio_sq_init": rho_wide,
+         "rho_eta_lambda_min_init": 0.95},
+    ]  # fmt: skip
+
+
+def test_rate_vs_conditioning_is_held_at_the_wide_widths_only(tmp_path):
+    for name, (square, wide, verdict) in {
+        "a": (0.4, 0.95, claims.HOLDS),  # d = P·M is reported, not held to the threshold
+        "b": (0.95, 0.85, claims.FAILS),
+    }.items():
+        (tmp_path / name).mkdir()
+        write_csv(tmp_path / name / "conditioning_table.csv", _table(square, wide))
+        row = claims.rate_vs_conditioning(str(tmp_path / name))
+        assert row.verdict == verdict, name
+        assert f"d=64 (1·P·M): ρ={square:.3f}" in row.value
+
+
+def test_residual_conditioning_uses_the_worst_seed(tmp_path):
+    def rows(attn_max, z_min):
+        return [{"qk_init": "1/d_qk", "d_qk": 4096, "attn_ratio_p_mean/max": attn_max,
+                 "z_ratio_p_mean/min": z_min}]  # fmt: skip
+
+    for name, values, verdict in (
+        ("a", (5e-6, 0.2), claims.HOLDS),
+        ("b", (2e-4, 0.2), claims.FAILS),
+        ("c", (5e-6, 0.05), claims.FAILS),
+    ):
+        (tmp_path / name).mkdir()
+        write_csv(tmp_path / name / "rank_collapse.csv", rows(*values))
+        assert claims.residual_conditioning(str(tmp_path / name)).verdict == verdict
+
+
+def _certificate_dir(folder, fraction, activation, lam_max):
+    config = {"model": {"activation": activation}, "optim": {"reduction": "sum"},
+              "data": {"num_samples": 8, "seq_len": 8}}  # fmt: skip
+    runs = [{"beta_attn": 0, "certificate_hold_fraction": fraction, "certificate_checks": 10}]
+    _summary(folder, runs, config)
+    line = {"step": 0, "run": 0, "lr": 1e-3, "ntk/lambda_max": lam_max}
+    (folder / "metrics.jsonl").write_text(json.dumps(line) + "\n")
+    return str(folder)
+
+
+def test_certificate_is_judged_only_inside_its_premise(tmp_path):
+    holds = _certificate_dir(tmp_path / "a", 1.0, "softplus", 900.0)
+    assert claims.certificate(holds).verdict == claims.HOLDS
+    assert claims.certificate(_certificate_dir(tmp_path / "b", 0.9, "gelu", 900.0)).verdict == (
+        claims.FAILS
+    )
+    relu = claims.certificate(_certificate_dir(tmp_path / "c", 0.4, "relu", 900.0))
+    assert relu.verdict == claims.NOT_RUN and "outside the claim's premise" in relu.note
+    too_large = claims.certificate(_certificate_dir(tmp_path / "d", 1.0, "softplus", 2000.0))
+    assert too_large.verdict == claims.NOT_RUN  # η·λ_max = 2 > 1
+
+
+def test_multilayer_needs_every_depth(tmp_path):
+    values = ((1, 0, 0.999), (1, 1, 0.995), (2, 0, 0.97), (2, 1, 0.999))
+    rows = [{"num_layers": L, "beta_attn": b, "rate_r2": r2} for L, b, r2 in values]
+    (tmp_path / "a").mkdir()
+    write_csv(tmp_path / "a" / "depth_runs.csv", rows)
+    row = claims.multilayer(str(tmp_path / "a"))
+    assert row.verdict == claims.FAILS and row.value == "L=1: 0.995, L=2: 0.970"
+
+
+def test_jena_descent_needs_a_significant_negative_tau(tmp_path):
+    def rows(steps_of):
+        return [{"run": i, "seed": s, "beta_attn": b, "beta_ffn": b, "initial_loss": 1.0,
+                 "window_steps": 300, "steps_to_0.5": 1, "steps_to_0.2": steps_of(b, s)}
+                for i, (s, b) in enumerate((s, b) for s in range(3)
+                                            for b in (0, 0.25, 0.5, 0.75, 1))]  # fmt: skip
+
+    for name, steps_of, verdict in (
+        ("a", lambda b, s: 100 - 50 * b + s, claims.HOLDS),  # monotone in every seed
+        ("b", lambda b, s: 100 + 50 * b, claims.FAILS),  # larger β slower
+        ("c", lambda b, s: [40, 20, 60, 30, 50][int(4 * b)] + s, claims.FAILS),  # no order
+    ):
+        (tmp_path / name).mkdir()
+        write_csv(tmp_path / name / "descent_table.csv", rows(steps_of))
+        assert claims.jena_descent(str(tmp_path / name)).verdict == verdict, name
+
+
+def test_sst2_ordering(tmp_path):
+    def rows(errors):
+        return [{"num_layers": L, "beta_attn": b, "beta_ffn": b, "runs": 1, "final_error": e,
+                 "final_val_accuracy": 0.5} for (L, b), e in errors.items()]  # fmt: skip
+
+    claimed = {(2, 0.0): 0.3, (6, 0.0): 0.35, (2, 1.0): 0.2, (6, 1.0): 0.1}
+    both_fall = claimed | {(6, 0.0): 0.25}
+    for name, errors, verdict in (("a", claimed, claims.HOLDS), ("b", both_fall, claims.FAILS)):
+        (tmp_path / name).mkdir()
+        write_csv(tmp_path / name / "accuracy_table.csv", rows(errors))
+        row = claims.sst2_ordering(str(tmp_path / name), "random-init")
+        assert row.verdict == verdict and row.note.startswith("random-init"), name
+
+
+@pytest.mark.slow
+def test_reproduce_tiny_writes_every_claim_and_reuses_finished_runs(tmp_path):
+    command = [sys.executable, "-m", "resconv_jax.reproduce", f"--workdir={tmp_path}",
+               "--scale=tiny"]  # fmt: skip
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    env.pop("XLA_FLAGS", None)
+    first = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert first.returncode == 0, first.stderr[-2000:]
+    report = (tmp_path / "REPORT.md").read_text()
+    for claim in ("1. linear", "2. rate", "3. residual", "certificate (smooth", "4. multi-layer",
+                  "5a. Jena", "5b. SST-2"):  # fmt: skip
+        assert f"| {claim}" in report, claim
+    assert "random-init GPT-2, not the pretrained model (GPT-2 weights" in report
+    assert "## Machine" in report and "jax " in report
+    second = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert second.stdout.count("finished before: reused") == 7  # sst2_random included
+    assert "ran in" not in (tmp_path / "REPORT.md").read_text()
+
+
+def test_reproduce_refuses_a_bad_scale(tmp_path):
+    command = [sys.executable, "-m", "resconv_jax.reproduce", f"--workdir={tmp_path / 'w'}",
+               "--scale=huge"]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.startswith("error: bad flag: flag --scale=huge")
+    assert not (tmp_path / "w").exists()

@@ -24,6 +24,9 @@ from resconv_jax.workdir import WorkdirBusy, WorkdirWriteError  # noqa: E402
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Folder of the experiments and REPORT.md.")
 _SCALE = flags.DEFINE_enum("scale", "small", experiment.SCALES, "Sizes: tiny, small or paper.")
+_README = flags.DEFINE_string(
+    "readme", None, "Also write the claims table into this file's marked block (README.md)."
+)
 flags.mark_flags_as_required(["workdir"])
 
 
@@ -46,7 +49,7 @@ def main(argv: list[str]) -> None:
     logging.set_verbosity(logging.WARNING)
     try:
         check_workdir(_WORKDIR.value)
-        sys.exit(experiment.reproduce(_WORKDIR.value, _SCALE.value))
+        sys.exit(experiment.reproduce(_WORKDIR.value, _SCALE.value, _README.value))
     except Preempted as stop:
         print(f"{stop}; rerun the same reproduce command to go on", flush=True)
         sys.exit(0)

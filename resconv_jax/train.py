@@ -68,6 +68,9 @@ from resconv_jax.workdir import (
 __all__ = ["SUMMARY_FILE", "Preempted", "TrainingDiverged", "run"]
 
 SUMMARY_FILE = "summary.json"
+# The expanded sweep, one entry per run with the settings it trains with (config.json holds the
+# config as given: its model.beta_attn is not what a β sweep's runs use; lr_rule=lambda_max's η).
+RUNS_FILE = "runs.json"
 
 
 def _init_params(model: Model, runs) -> dict:
@@ -290,6 +293,7 @@ def _run_groups(config, workdir: epath.Path, dataset, groups) -> list[dict]:
         check_same_run(workdir, saved, config_json, CONFIG_FILE)
     if jax.process_index() == 0:
         write_json(workdir / CONFIG_FILE, config_json)
+        write_json(workdir / RUNS_FILE, [run.settings() for _, runs in groups for run in runs])
     summaries, lines = [], []
     for (layers, dim), runs in groups:
         group_dir = workdir / group_folder((layers, dim))
@@ -342,6 +346,7 @@ def _run_locked(config, workdir: epath.Path, dataset, runs) -> list[dict]:
         _stop_before_training("compiling")
         if jax.process_index() == 0:
             write_json(workdir / CONFIG_FILE, config_json)
+            write_json(workdir / RUNS_FILE, [run.settings() for run in program.runs])
         step, state, kept = _restore(config, workdir, checkpointer, program)
         program.state = state
         writer = MetricsWriter(workdir, kept)

@@ -219,3 +219,17 @@ def test_short_jena_run_writes_figures_and_table(tmp_path):
     # jena.py deletes fields of the base config (data.dim, ...): resuming must not miss them.
     train.run(load_config_file(jena, **small, **{"train.num_steps": 30}), str(tmp_path))
     assert max(r["step"] for r in read_metrics(str(tmp_path))) == 30
+
+
+def test_runs_json_records_the_expanded_sweep_with_the_step_sizes_used(tmp_path):
+    config = tiny(**{"train.num_steps": 10, "optim.lr_rule": "lambda_max"})
+    train.run(config, str(tmp_path))
+    runs = json.loads((tmp_path / "runs.json").read_text())
+    assert [(r["run"], r["beta_attn"], r["beta_ffn"]) for r in runs] == [
+        (0, 0.0, 0.0),
+        (1, 0.5, 0.5),
+        (2, 1.0, 1.0),
+    ]
+    first = {r["run"]: r["lr"] for r in read_metrics(str(tmp_path)) if r["step"] == 0}
+    assert [r["lr"] for r in runs] == [first[i] for i in range(3)]
+    assert len(set(first.values())) == 3  # η = 1/λ_max(K) of each run, not optim.lr

@@ -156,3 +156,15 @@ def test_reproduce_refuses_a_bad_scale(tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and result.stderr.startswith("error: bad flag: flag --scale=huge")
     assert not (tmp_path / "w").exists()
+
+
+def test_a_run_that_never_reaches_the_level_ranks_as_the_slowest():
+    from resconv_jax.experiments import descent
+
+    rows = [
+        {"run": i, "seed": 0, "beta_attn": b, "window_steps": 300, "steps_to_0.2": steps}
+        for i, (b, steps) in enumerate(((0.0, 10.0), (0.5, 5.0), (1.0, float("nan"))))
+    ]
+    ordering = descent.ordering(rows)
+    assert ordering["tau"] == pytest.approx(1 / 3)  # dropping the NaN run would give -1
+    assert ordering["reached"] == 2

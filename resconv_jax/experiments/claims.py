@@ -203,7 +203,17 @@ def jena_descent(workdir, alpha: float = 0.05) -> Claim:
     ok = o["tau"] < 0 and o["p_value"] < alpha
     if math.isnan(o["tau"]):
         return dataclasses.replace(claim, value=value, note="too few runs reached the level")
-    return dataclasses.replace(claim, value=value, verdict=_verdict(ok), note=f"per seed {seeds}")
+    others = "; ".join(
+        f"at {f:g}·L_0: τ = {other['tau']:+.3f}, p = {other['p_value']:.2g}"
+        for f in descent.FRACTIONS
+        if f != descent.HEADLINE
+        for other in [descent.ordering(rows, f)]
+    )
+    note = (
+        f"per seed {seeds}; {o['runs'] - o['reached']} of {o['runs']} runs did not reach the "
+        f"level within {rows[0]['window_steps']} steps (ranked slowest); {others}"
+    )
+    return dataclasses.replace(claim, value=value, verdict=_verdict(ok), note=note)
 
 
 def sst2_ordering(workdir, label: str = "") -> Claim:

@@ -142,7 +142,16 @@ def plot_descent(history: list[dict], rows: list[dict], path) -> None:
     for seed in seeds:
         same = sorted((r for r in rows if r["seed"] == seed), key=lambda r: r["beta_attn"])
         x = [r["beta_attn"] for r in same]
-        ax_steps.plot(x, [r[key] for r in same], marker=markers[seed], label=f"seed {seed}")
+        y = [_censored_steps(r, key) for r in same]
+        (line,) = ax_steps.plot(x, y, marker=markers[seed], label=f"seed {seed}")
+        never = [(b, s) for b, s, r in zip(x, y, same, strict=True) if not np.isfinite(r[key])]
+        if never:
+            hollow = {"markerfacecolor": "white", "markersize": 10, "color": line.get_color()}
+            ax_steps.plot(*zip(*never, strict=True), marker=markers[seed], ls="none", **hollow)
+    window = max(r["window_steps"] for r in rows)
+    ax_steps.axhline(window, color="0.6", linewidth=0.8, linestyle=":")
+    ax_steps.annotate(f"not reached in {window} steps (open markers)", (0, window),
+                      fontsize=7, va="bottom")  # fmt: skip
     o = ordering(rows)
     ax_steps.set(
         xlabel="β (both residuals)",

@@ -88,7 +88,7 @@ def valid_prefix(
 
 
 def _json_value(value):
-    if isinstance(value, list | tuple | np.ndarray):
+    if isinstance(value, list | tuple) or np.ndim(value) > 0:
         return [_json_value(v) for v in value]
     if isinstance(value, int | np.integer):
         return int(value)

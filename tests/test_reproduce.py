@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from resconv_jax.experiments import claims
@@ -73,7 +74,7 @@ def _certificate_dir(folder, fraction, activation, lam_max):
               "data": {"num_samples": 8, "seq_len": 8}}  # fmt: skip
     runs = [{"beta_attn": 0, "certificate_hold_fraction": fraction, "certificate_checks": 10}]
     _summary(folder, runs, config)
-    line = {"step": 0, "run": 0, "lr": 1e-3, "ntk/lambda_max": lam_max}
+    line = {"step": 0, "run": 0, "lr": 1e-3, "ntk/stable_lr": 2 / lam_max}
     (folder / "metrics.jsonl").write_text(json.dumps(line) + "\n")
     return str(folder)
 
@@ -127,7 +128,9 @@ def test_sst2_ordering(tmp_path):
         (tmp_path / name).mkdir()
         write_csv(tmp_path / name / "accuracy_table.csv", rows(errors))
         row = claims.sst2_ordering(str(tmp_path / name), "random-init")
-        assert row.verdict == verdict and row.note.startswith("random-init"), name
+        assert row.verdict == f"{verdict} (random-init substitute, not the claim's model)", name
+        assert row.note.startswith("random-init")
+        assert claims.sst2_ordering(str(tmp_path / name), "pretrained GPT-2").verdict == verdict
 
 
 @pytest.mark.slow
@@ -168,3 +171,19 @@ def test_a_run_that_never_reaches_the_level_ranks_as_the_slowest():
     ordering = descent.ordering(rows)
     assert ordering["tau"] == pytest.approx(1 / 3)  # dropping the NaN run would give -1
     assert ordering["reached"] == 2
+
+
+def test_the_descent_p_value_permutes_beta_within_seeds():
+    from scipy import stats
+
+    from resconv_jax.experiments import descent
+
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 5, (30, 15)).astype(float), rng.integers(0, 9, 15).astype(float)
+    expected = [stats.kendalltau(row, y).statistic for row in x]
+    np.testing.assert_allclose(descent._tau_b(x, y), expected, atol=1e-12)
+    betas = np.tile([0, 0.25, 0.5, 0.75, 1], 3)
+    seeds = np.repeat([0, 1, 2], 5)
+    monotone = 100 - 50 * betas + seeds
+    assert descent.stratified_p_value(betas, monotone, seeds) < 0.001  # every seed in order
+    assert descent.stratified_p_value(betas, rng.permutation(monotone), seeds) > 0.05

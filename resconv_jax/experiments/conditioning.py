@@ -93,6 +93,7 @@ def width_table(rows: list[dict], num_tokens: int | None = None) -> list[dict]:
         same = [row for row in rows if row["dim"] == dim]
         speed = [row["speed"] for row in same]
         entry = {"dim": dim, "runs": len(same)}
+        entry["fitted_runs"] = int(np.isfinite(speed).sum())  # the rest are left out of ρ
         if num_tokens:
             entry["dim_over_pm"] = dim / num_tokens
         for name in ("z_ratio_sq_init", "z_ratio_sq_window_mean", "eta_lambda_min_init"):
@@ -107,13 +108,15 @@ def width_table(rows: list[dict], num_tokens: int | None = None) -> list[dict]:
 def format_width_table(table: list[dict]) -> str:
     """The per-width table as printed at the end of a run."""
     lines = [
-        "rate against conditioning (Spearman ρ of 1 − rate over β × seeds, per width d):",
-        f"{'d':>5} {'runs':>4} {'ρ σ²min/σ²max(Z) init':>22} {'window':>7} {'ρ ηλmin(K)':>11} "
-        f"{'ρ β':>6} {'slope':>6} {'min R²':>7}",
+        "rate against conditioning (Spearman ρ of 1 − rate over β × seeds, per width d; fit: runs "
+        "with a rate fit, the others are left out):",
+        f"{'d':>5} {'runs':>4} {'fit':>4} {'ρ σ²min/σ²max(Z) init':>22} {'window':>7} "
+        f"{'ρ ηλmin(K)':>11} {'ρ β':>6} {'slope':>6} {'min R²':>7}",
     ]
     for row in table:
         lines.append(
-            f"{row['dim']:>5} {row['runs']:>4} {row['rho_z_ratio_sq_init']:>22.3f} "
+            f"{row['dim']:>5} {row['runs']:>4} {row['fitted_runs']:>4} "
+            f"{row['rho_z_ratio_sq_init']:>22.3f} "
             f"{row['rho_z_ratio_sq_window_mean']:>7.3f} {row['rho_eta_lambda_min_init']:>11.3f} "
             f"{row['rho_beta']:>6.3f} {row['slope_z_ratio_sq_init']:>6.3f} "
             f"{row['min_rate_r2']:>7.4f}"

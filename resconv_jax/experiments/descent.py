@@ -4,9 +4,9 @@ The same initial weights give each β a different initial function (and loss), s
 threshold mixes where a run starts with how fast it descends. Here speed is the number of steps
 until L_t ≤ f·L_0, read from the per-step losses that runs log over their first
 `train.step_losses_until` steps ("step_losses" on each metrics line), per run and seed; the
-ordering by β is Kendall's τ-b between β_a and those steps over all runs, with its two-sided
-p-value (negative τ: larger β needs fewer steps); a run that does not reach the level within
-the window ranks as the slowest.
+ordering by β is Kendall's τ-b between β_a and those steps over all runs (negative τ: larger β
+needs fewer steps), with the two-sided p-value of a permutation test that shuffles β within each
+seed; a run that does not reach the level within the window ranks as the slowest.
 
 Files: descent_table.csv (per run), descent_by_beta.png (L_t/L_0 over the early window; steps to
 f·L_0 against β per seed).
@@ -73,25 +73,57 @@ def descent_rows(history: list[dict]) -> list[dict]:
     return rows
 
 
-def _censored_steps(row: dict, key: str) -> float:
-    """Steps to the level, or the window's length for a run that never got there within it (it
-    is slower than every run that did: ranked last, tied with the others that did not)."""
-    return row[key] if np.isfinite(row[key]) else float(row["window_steps"])
+def _censored_steps(row: dict, key: str, window: int) -> float:
+    """Steps to the level, or `window` (the longest window of the sweep) for a run that did not
+    get there within its window: it is slower than every run that did, so it ranks last, tied
+    with the others that did not."""
+    return row[key] if np.isfinite(row[key]) else float(window)
+
+
+def _tau_b(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Kendall's τ-b of each row of x (K, n) against y (n,) (scipy's statistic, vectorized)."""
+    dx = np.sign(x[:, :, None] - x[:, None, :])
+    dy = np.sign(y[:, None] - y[None, :])
+    upper = np.triu(np.ones(dy.shape, bool), 1)
+    concordance = (dx * dy)[:, upper].sum(axis=1)
+    pairs_x = (dx[:, upper] != 0).sum(axis=1)
+    pairs_y = (dy[upper] != 0).sum()
+    return concordance / np.sqrt(np.maximum(pairs_x * pairs_y, 1))
+
+
+def stratified_p_value(betas, steps, seeds, *, permutations: int = 5000) -> float:
+    """Two-sided p-value of the pooled Kendall τ under permutations of β within each seed (the
+    runs of one seed share their initial weights, so only β is exchangeable there)."""
+    betas, steps, seeds = (np.asarray(v, float) for v in (betas, steps, seeds))
+    observed = abs(_tau_b(betas[None], steps)[0])
+    rng = np.random.default_rng(0)
+    shuffled = np.repeat(betas[None], permutations, axis=0)
+    for seed in np.unique(seeds):
+        group = np.flatnonzero(seeds == seed)
+        shuffled[:, group] = rng.permuted(shuffled[:, group], axis=1)
+    hits = np.sum(np.abs(_tau_b(shuffled, steps)) >= observed - 1e-12)
+    return float((hits + 1) / (permutations + 1))
 
 
 def ordering(rows: list[dict], fraction: float = HEADLINE) -> dict:
-    """Kendall's τ between β_a and steps to `fraction`·L_0 over all runs, and per seed; a run
-    that does not reach the level within the window counts as the slowest (`_censored_steps`)."""
+    """Kendall's τ-b between β_a and steps to `fraction`·L_0 over the runs with an early window,
+    and per seed; a run that does not reach the level counts as the slowest (`_censored_steps`).
+    p_value: the stratified permutation test (`stratified_p_value`); the pooled τ's normal
+    p-value would treat runs that share their initial weights as independent."""
     key = f"steps_to_{fraction:g}"
-    steps = [_censored_steps(r, key) for r in rows]
-    tau, p = kendall([r["beta_attn"] for r in rows], steps)
+    rows = [r for r in rows if r["window_steps"] > 0]
+    window = max((r["window_steps"] for r in rows), default=0)
+    steps = [_censored_steps(r, key, window) for r in rows]
+    betas, seeds = [r["beta_attn"] for r in rows], [r["seed"] for r in rows]
+    tau, _ = kendall(betas, steps)
+    p = stratified_p_value(betas, steps, seeds) if np.isfinite(tau) else math.nan
     per_seed = {}
-    for seed in sorted({r["seed"] for r in rows}):
-        same = [(r["beta_attn"], s) for r, s in zip(rows, steps, strict=True) if r["seed"] == seed]
+    for seed in sorted(set(seeds)):
+        same = [(b, s) for b, s, sd in zip(betas, steps, seeds, strict=True) if sd == seed]
         per_seed[seed] = kendall(*zip(*same, strict=True))[0]
     reached = sum(np.isfinite(r[key]) for r in rows)
     return {"fraction": fraction, "tau": tau, "p_value": p, "per_seed_tau": per_seed,
-            "runs": len(rows), "reached": int(reached)}  # fmt: skip
+            "runs": len(rows), "reached": int(reached), "window": window}  # fmt: skip
 
 
 def format_ordering(rows: list[dict]) -> str:
@@ -142,7 +174,7 @@ def plot_descent(history: list[dict], rows: list[dict], path) -> None:
     for seed in seeds:
         same = sorted((r for r in rows if r["seed"] == seed), key=lambda r: r["beta_attn"])
         x = [r["beta_attn"] for r in same]
-        y = [_censored_steps(r, key) for r in same]
+        y = [_censored_steps(r, key, max(r["window_steps"] for r in rows)) for r in same]
         (line,) = ax_steps.plot(x, y, marker=markers[seed], label=f"seed {seed}")
         never = [(b, s) for b, s, r in zip(x, y, same, strict=True) if not np.isfinite(r[key])]
         if never:

@@ -17,21 +17,25 @@ says which and why), 2 for bad flags or a workdir that cannot be written.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import platform
+import shlex
+import subprocess
 import time
 from importlib import metadata
 from pathlib import Path
 
 import jax
 
-from resconv_jax import experiments
+from resconv_jax import experiments, train
 from resconv_jax import workdir as wd
 from resconv_jax.config_defaults import load_config_file
 from resconv_jax.divergence import TrainingDiverged
 from resconv_jax.experiments import claims
 from resconv_jax.experiments.report import write_run_report
+from resconv_jax.models.weights import WeightsNotFound
 from resconv_jax.workdir import WorkdirBusy, WorkdirWriteError, read_saved_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -122,6 +126,7 @@ class Outcome:
     seconds: float | None
     tables: list[str]
     reason: str = ""
+    missing_weights: bool = False  # stopped because the pretrained weights were not found
 
 
 def _finished(config, workdir: str) -> bool:
@@ -151,8 +156,14 @@ def _run_one(experiment: Experiment, root: str, times: dict) -> Outcome:
             print(f"   finished before: reused ({workdir})", flush=True)
             return Outcome(experiment, workdir, "reused", seconds, tables)
         start = time.perf_counter()
-        experiments.run(config, workdir)
-        tables = [] if config.task == "rank_collapse" else write_run_report(workdir)
+        if config.task == "rank_collapse":
+            experiments.run(config, workdir)
+            tables = []
+        else:
+            train.run(config, workdir)
+            tables = write_run_report(workdir)
+            for text in tables:
+                print(text, flush=True)
         return Outcome(experiment, workdir, "ran", time.perf_counter() - start, tables)
 
 
@@ -165,13 +176,15 @@ def run_experiment(experiment: Experiment, root: str, times: dict) -> Outcome:
     except (ValueError, TrainingDiverged, WorkdirBusy, WorkdirWriteError) as error:
         reason = str(error).splitlines()[0]
         print(f"   not run: {reason}", flush=True)
-        return Outcome(experiment, os.path.join(root, experiment.name), "not run", None, [], reason)
+        workdir = os.path.join(root, experiment.name)
+        missing = isinstance(error, WeightsNotFound)
+        return Outcome(experiment, workdir, "not run", None, [], reason, missing)
 
 
 def run_sst2(experiment: Experiment, root: str, times: dict) -> tuple[Outcome, str]:
     """The pretrained SST-2 run, or (weights not found) the random-init one; (outcome, label)."""
     outcome = run_experiment(experiment, root, times)
-    if outcome.status != "not run" or "GPT-2 weights" not in outcome.reason:
+    if not outcome.missing_weights:
         return outcome, "pretrained GPT-2"
     print("   pretrained weights unavailable: running the random-init variant instead", flush=True)
     label = f"random-init GPT-2, not the pretrained model ({outcome.reason})"
@@ -185,16 +198,37 @@ def claims_of(outcomes: dict[str, Outcome], sst2_label: str) -> list[claims.Clai
         outcome = outcomes.get(name)
         return outcome.workdir if outcome and outcome.status != "not run" else None
 
-    sst2 = outcomes.get("sst2")
-    return [
-        claims.linear_convergence(folder("theory")),
-        claims.rate_vs_conditioning(folder("conditioning")),
-        claims.residual_conditioning(folder("rank_collapse")),
-        claims.certificate(folder("theory_softplus")),
-        claims.multilayer(folder("depth")),
-        claims.jena_descent(folder("jena")),
-        claims.sst2_ordering(folder("sst2"), sst2_label if sst2 else ""),
+    checks = [
+        (claims.linear_convergence, folder("theory")),
+        (claims.rate_vs_conditioning, folder("conditioning")),
+        (claims.residual_conditioning, folder("rank_collapse")),
+        (claims.certificate, folder("theory_softplus")),
+        (claims.multilayer, folder("depth")),
+        (claims.jena_descent, folder("jena")),
+        (functools.partial(claims.sst2_ordering, label=sst2_label), folder("sst2")),
     ]
+    rows = []
+    for check, workdir in checks:
+        try:
+            rows.append(check(workdir))
+        except Exception as error:  # noqa: BLE001 - one unreadable file must not lose the report
+            name = getattr(check, "func", check).__name__
+            note = f"could not be evaluated: {type(error).__name__}: {error}"
+            rows.append(claims.Claim(name, "-", "-", note=note.splitlines()[0]))
+    return rows
+
+
+def code_version() -> str:
+    """The git commit of this checkout ('+ changes' when its tracked files differ), or
+    'unknown' outside a git checkout."""
+    repo = CONFIGS.parent
+    try:
+        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=10, check=True)  # fmt: skip
+        dirty = subprocess.run(["git", "-C", str(repo), "diff", "--quiet", "HEAD"], timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head.stdout.strip() + (" + changes" if dirty.returncode else "")
 
 
 def machine() -> list[str]:
@@ -215,7 +249,9 @@ def machine() -> list[str]:
     ]
 
 
-def format_report(scale: str, outcomes: list[Outcome], table: list[claims.Claim]) -> str:
+def format_report(
+    scale: str, outcomes: list[Outcome], table: list[claims.Claim], times: dict
+) -> str:
     """REPORT.md: the claims table, then one section per experiment, then the machine."""
     lines = [
         "# resconv_jax: the paper's claims, checked",
@@ -229,13 +265,17 @@ def format_report(scale: str, outcomes: list[Outcome], table: list[claims.Claim]
     ]
     for o in outcomes:
         wall = f"{o.seconds:.0f} s" if o.seconds is not None else "wall time not recorded"
-        status = {"ran": f"ran in {wall}", "reused": f"reused (finished before; {wall})"}.get(
-            o.status, f"not run: {o.reason}"
-        )
+        code = times.get(o.experiment.name, {}).get("code", "unknown")
+        status = {
+            "ran": f"ran in {wall}, code {code}",
+            "reused": f"reused (finished before; {wall}, code {code})",
+        }.get(o.status, f"not run: {o.reason}")
         lines += [f"## {o.experiment.title}", "", f"`{o.workdir}`, config `configs/"
                   f"{o.experiment.config}`; {status}.", ""]  # fmt: skip
         if o.experiment.overrides:
-            overrides = " ".join(f"--config.{k}={v}" for k, v in o.experiment.overrides.items())
+            overrides = " ".join(
+                shlex.quote(f"--config.{k}={v}") for k, v in o.experiment.overrides.items()
+            )
             lines += [f"Overrides: `{overrides}`", ""]
         for text in o.tables:
             lines += ["```", text, "```", ""]
@@ -251,14 +291,19 @@ def format_report(scale: str, outcomes: list[Outcome], table: list[claims.Claim]
 README_START, README_END = "<!-- claims table: start -->", "<!-- claims table: end -->"
 
 
-def splice_readme(readme: str, scale: str, table: list[claims.Claim]) -> None:
+def splice_readme(readme: str, scale: str, table: list[claims.Claim] | None) -> None:
     """Replaces the claims table between README_START and README_END in the file `readme` with
-    `table` (the README's table is generated, never typed). ValueError when the markers are
-    missing."""
-    text = Path(readme).read_text()
+    `table` (the README's table is generated, never typed); `table` None only checks the file.
+    ValueError when the file or its markers are missing."""
+    try:
+        text = Path(readme).read_text()
+    except OSError as error:
+        raise ValueError(f"--readme={readme}: cannot read it ({error.strerror})") from None
     start, end = text.find(README_START), text.find(README_END)
     if start < 0 or end < start:
         raise ValueError(f"--readme={readme}: no '{README_START}' … '{README_END}' block")
+    if table is None:
+        return
     body = (
         f"{README_START}\n<!-- generated by python -m resconv_jax.reproduce --scale={scale} "
         f"--readme; do not edit -->\n{claims.format_claims_table(table)}\n"
@@ -270,6 +315,10 @@ def splice_readme(readme: str, scale: str, table: list[claims.Claim]) -> None:
 def reproduce(root: str, scale: str, readme: str | None = None) -> int:
     """Runs every experiment of `scale` in `root` and writes REPORT.md (and, given `readme`, its
     claims table into that file: `splice_readme`); the exit status."""
+    if readme:
+        if scale == "tiny":
+            raise ValueError("--readme: --scale=tiny numbers mean nothing; use small or paper")
+        splice_readme(readme, scale, None)  # the markers are there: checked before any run
     wd.make_folder(root, f"--workdir={root}")
     times_path = wd.path(root) / TIMES_FILE
     times = json.loads(times_path.read_text()) if times_path.exists() else {}
@@ -282,10 +331,14 @@ def reproduce(root: str, scale: str, readme: str | None = None) -> int:
             outcomes[experiment.name] = run_experiment(experiment, root, times)
         outcome = outcomes[experiment.name]
         if outcome.status == "ran":
-            times[outcome.experiment.name] = {"seconds": outcome.seconds, "scale": scale}
+            times[outcome.experiment.name] = {
+                "seconds": outcome.seconds,
+                "scale": scale,
+                "code": code_version(),
+            }
             wd.write_json(times_path, times)
     table = claims_of(outcomes, sst2_label)
-    report = format_report(scale, list(outcomes.values()), table)
+    report = format_report(scale, list(outcomes.values()), table, times)
     with wd.atomic_open(wd.path(root) / REPORT_FILE) as f:
         f.write(report)
     print(claims.format_claims_table(table), flush=True)

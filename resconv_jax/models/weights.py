@@ -59,6 +59,10 @@ class WeightsError(ValueError):
     """Weights that cannot be found or do not fit the model; the message is one line."""
 
 
+class WeightsNotFound(WeightsError):
+    """A hub id that is neither a local folder, nor in the cache, nor reachable on the hub."""
+
+
 def load_gpt2(
     source: str,
     *,
@@ -129,7 +133,7 @@ def _hub_folder(repo_id: str, cache_dir: str | None) -> Path:
     )
     use_folder = f"pass a folder with {CONFIG_FILE} and {WEIGHTS_FILE}: {FOLDER_OPTION}"
     if huggingface_hub.is_offline_mode():
-        raise WeightsError(f"{not_found} and HF_HUB_OFFLINE is set; {use_folder}")
+        raise WeightsNotFound(f"{not_found} and HF_HUB_OFFLINE is set; {use_folder}")
     try:
         # One HEAD request without retries: without network this fails at once, where
         # hf_hub_download would retry for a minute.
@@ -139,7 +143,7 @@ def _hub_folder(repo_id: str, cache_dir: str | None) -> Path:
     except huggingface_hub.errors.HfHubHTTPError as error:
         raise WeightsError(f"GPT-2 weights {repo_id!r}: {_one_line(error)}; {use_folder}") from None
     except Exception as error:  # no network, no DNS, a timeout: all mean "offline" here
-        raise WeightsError(
+        raise WeightsNotFound(
             f"{not_found} and the hub is unreachable ({type(error).__name__}: "
             f"{_one_line(error)}); {use_folder}"
         ) from None

@@ -67,14 +67,22 @@ def worst_relative(a: list[dict], b: list[dict]) -> dict[str, float]:
     """{key: largest relative difference} over the float values of two metrics files."""
     assert [(r["step"], r["run"]) for r in a] == [(r["step"], r["run"]) for r in b]
     worst: dict[str, float] = {}
+
+    def compare(key, value, other):
+        if isinstance(value, list):  # step_losses: a chunk's per-step losses
+            assert isinstance(other, list) and len(value) == len(other), key
+            for v, o in zip(value, other, strict=True):
+                compare(key, v, o)
+        elif isinstance(value, float) and math.isfinite(value):
+            scale = max(abs(value), abs(other), 1e-300)
+            worst[key] = max(worst.get(key, 0.0), abs(value - other) / scale)
+        else:
+            assert value == other, key
+
     for x, y in zip(a, b, strict=True):
         assert x.keys() == y.keys()
         for key, value in x.items():
-            if isinstance(value, float) and math.isfinite(value):
-                scale = max(abs(value), abs(y[key]), 1e-300)
-                worst[key] = max(worst.get(key, 0.0), abs(value - y[key]) / scale)
-            else:
-                assert value == y[key], key
+            compare(key, value, y[key])
     return worst
 
 

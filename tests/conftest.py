@@ -1,6 +1,11 @@
-"""Test setup: 8 virtual CPU devices so that sharded code paths are exercised."""
+"""Test setup: 8 virtual CPU devices so that sharded code paths are exercised, and one JAX
+compilation cache for the session (its subprocesses included): most tests compile the same few
+small programs again and again, and their compile time dominates the suite's."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -8,6 +13,11 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Eight virtual devices share the cores: threaded BLAS in each per-device QR thrashes.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="resconv_jax_test_cache_")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 import jax  # noqa: E402
 

@@ -87,7 +87,7 @@ def experiment_list(scale: str) -> list[Experiment]:
         sst2 |= {"train.num_steps": 10 if tiny else 100, "train.checkpoint_every": 10}
         sst2 |= {"train.print_every": 10}
         if tiny:
-            sst2 |= {"sweep.num_layers": (1, 2)}
+            sst2 |= {"sweep.num_layers": (1, 2), "data.num_val": 32}
     rank = {"rank_collapse.seeds": (0, 1), "rank_collapse.d_qk_values": (1, 4096)} if tiny else {}
     return [
         Experiment("theory", "theory.py", FLOAT64 | theory, "Theory regime, ReLU, float64"),

@@ -13,15 +13,23 @@ Reports (depth_runs.csv, the printed table): the fitted linear rate and R² per 
 Our protocol (the paper gives no sizes): P = 8, M = 8, d = 2·P·M = 128, d_QK = 16, d_h = 64, the sum
 loss, 3000 steps. One η cannot serve every depth (the β = 1 stacks' λ_max(K) grows with L: at
 L = 4, η = 1e-4 diverges in 2 steps), so each run takes η = 0.5/λ_max(K) at its own initialization
-(`optim.lr_rule = "lambda_max"`). `:small` (for `reproduce --scale=small`): 1500
-steps, seeds {0, 1}.
+(`optim.lr_rule = "lambda_max"`).
+
+`:branches` (claim 4 "under suitable initialization"; added after the default init above failed
+it): small residual branches, W_V and W_1, W_2 at 0.3 of their default scale, in float64, β = 1
+only (without residuals these branches shrink the signal, and λ_max(K) grows so fast that
+0.5/λ_max at init diverges within 5 steps). `:small` (for `reproduce --scale=small`): 1500
+steps, seeds {0, 1}; `:small,branches` combines both.
 """
 
 from resconv_jax.config_defaults import base_config
 
 
 def get_config(arg=None):
-    small = arg == "small"
+    variants = set(arg.split(",")) if arg else set()
+    if variants - {"small", "branches"}:
+        raise ValueError(f"configs/depth.py: unknown variant {arg!r} (small, branches)")
+    small = "small" in variants
     config = base_config()
     config.model.d_qk = 16
     config.model.d_h = 64
@@ -40,5 +48,11 @@ def get_config(arg=None):
     config.sweep.num_layers = (1, 2, 4, 8)
     config.sweep.beta = (0.0, 1.0)
     config.sweep.seed = (0, 1) if small else (0, 1, 2)
+    if "branches" in variants:
+        config.model.v_scale = 0.3
+        config.model.mlp_scale = 0.3
+        config.model.dtype = "float64"
+        config.probe.dtype = "float64"
+        config.sweep.beta = (1.0,)
     config.lock()
     return config

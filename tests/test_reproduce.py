@@ -145,7 +145,7 @@ def test_reproduce_tiny_writes_every_claim_and_knows_its_runs_finished(tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
     report = (tmp_path / "REPORT.md").read_text()
     for claim in ("1. linear", "2. rate", "3. residual", "certificate (smooth", "4. multi-layer",
-                  "5a. Jena", "5b. SST-2"):  # fmt: skip
+                  "4b. multi-layer", "5a. Jena", "5b. SST-2"):  # fmt: skip
         assert f"| {claim}" in report, claim
     assert "random-init GPT-2, not the pretrained model (GPT-2 weights" in report
     assert "## Machine" in report and "jax " in report

@@ -164,13 +164,20 @@ def _lr_below_one_over_lambda_max(workdir) -> bool:
     )
 
 
-def multilayer(workdir, threshold: float = 0.99) -> Claim:
-    """Claim 4: R² of the log-loss fit ≥ threshold for every run of every depth."""
+def multilayer(workdir, threshold: float = 0.99, small_branches: bool = False) -> Claim:
+    """Claim 4: R² of the log-loss fit ≥ threshold for every run of every depth; with
+    `small_branches`, the row of configs/depth.py:branches (β = 1, float64)."""
     claim = Claim(
         "4. multi-layer linear convergence",
         "min R² per depth L (over β, seeds)",
         f"≥ {threshold:g} each",
     )
+    if small_branches:
+        claim = Claim(
+            "4b. multi-layer, small residual branches (added after 4 failed)",
+            "min R² per depth L (β = 1, seeds; W_V, W_1, W_2 at 0.3×, float64)",
+            f"≥ {threshold:g} each",
+        )
     if missing := _missing(claim, workdir, "depth_runs.csv"):
         return missing
     rows = _read_csv(wd.path(workdir) / "depth_runs.csv")

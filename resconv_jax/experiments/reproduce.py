@@ -102,6 +102,12 @@ def experiment_list(scale: str) -> list[Experiment]:
         ),
         Experiment("rank_collapse", "rank_collapse.py", rank, "Rank collapse at initialization"),
         Experiment("depth", f"depth.py:{size}", depth, "Linear convergence per depth"),
+        Experiment(
+            "depth_branches",
+            f"depth.py:{size + ',' if size else ''}branches",
+            depth,
+            "Linear convergence per depth, small residual branches (β = 1, float64)",
+        ),
         Experiment("jena", "jena.py", jena, "Jena Climate β sweep"),
         Experiment("sst2", "sst2.py", sst2, "SST-2, pretrained GPT-2"),
     ]
@@ -204,6 +210,7 @@ def claims_of(outcomes: dict[str, Outcome], sst2_label: str) -> list[claims.Clai
         (claims.residual_conditioning, folder("rank_collapse")),
         (claims.certificate, folder("theory_softplus")),
         (claims.multilayer, folder("depth")),
+        (functools.partial(claims.multilayer, small_branches=True), folder("depth_branches")),
         (claims.jena_descent, folder("jena")),
         (functools.partial(claims.sst2_ordering, label=sst2_label), folder("sst2")),
     ]

@@ -20,23 +20,14 @@ d = 4·P·M), 3000 steps; 11 β × 5 seeds × 3 widths = 165 runs. `:small` (for
 `python -m resconv_jax.reproduce --scale=small`): 5 β × 3 seeds × d ∈ {P·M, 2·P·M}, 1500 steps.
 """
 
-from resconv_jax.config_defaults import base_config
+from resconv_jax.config_defaults import theory_regime_config
 
 
 def get_config(arg=None):
     small = arg == "small"
-    config = base_config()
-    config.model.d_qk = 16
-    config.model.d_h = 64
-    config.data.num_samples = 8  # P
-    config.data.seq_len = 8  # M
-    config.data.dim = 64  # replaced by sweep.dim
-    config.data.out_dim = 1
+    config = theory_regime_config(64)  # d = P·M; each width of sweep.dim replaces it
     config.optim.lr = 2e-4
     config.train.num_steps = 1500 if small else 3000
-    config.train.log_every = 10
-    config.train.print_every = 500
-    config.train.checkpoint_every = 500
     config.probe.every = 50
     config.probe.per_sample = False
     config.theory.every = config.train.num_steps  # the tangent kernel at initialization only

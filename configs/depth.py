@@ -22,7 +22,7 @@ only (without residuals these branches shrink the signal, and λ_max(K) grows so
 steps, seeds {0, 1}; `:small,branches` combines both.
 """
 
-from resconv_jax.config_defaults import base_config
+from resconv_jax.config_defaults import theory_regime_config
 
 
 def get_config(arg=None):
@@ -30,19 +30,10 @@ def get_config(arg=None):
     if variants - {"small", "branches"}:
         raise ValueError(f"configs/depth.py: unknown variant {arg!r} (small, branches)")
     small = "small" in variants
-    config = base_config()
-    config.model.d_qk = 16
-    config.model.d_h = 64
-    config.data.num_samples = 8  # P
-    config.data.seq_len = 8  # M
-    config.data.dim = 128  # 2·P·M
-    config.data.out_dim = 1
+    config = theory_regime_config(128)  # d = 2·P·M
     config.optim.lr_rule = "lambda_max"  # η = lr_factor / λ_max(K) per run, at initialization
     config.optim.lr_factor = 0.5  # 1.0 diverged at L = 8, β = 0 (λ_max grows during training)
     config.train.num_steps = 1500 if small else 3000
-    config.train.log_every = 10
-    config.train.print_every = 500
-    config.train.checkpoint_every = 500
     config.probe.every = 50
     config.probe.per_sample = False
     config.sweep.num_layers = (1, 2, 4, 8)

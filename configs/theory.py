@@ -22,22 +22,13 @@ instead gives each run η = lr_factor / λ_max(K) at its own initialization.
 loss floor (β = 1 down to ~1e-28; the same initial weights; 18–22 s instead of 15 s).
 """
 
-from resconv_jax.config_defaults import base_config
+from resconv_jax.config_defaults import theory_regime_config
 
 
 def get_config(arg=None):
-    config = base_config()
-    config.model.d_qk = 16
-    config.model.d_h = 64
-    config.data.num_samples = 8  # P
-    config.data.seq_len = 8  # M
-    config.data.dim = 64  # d = P*M
-    config.data.out_dim = 1
+    config = theory_regime_config(64)  # d = P·M
     config.optim.lr = 4e-4  # <= 1/λ_max(K) at init for every β (see docstring)
     config.train.num_steps = 2000
-    config.train.log_every = 10
-    config.train.print_every = 500
-    config.train.checkpoint_every = 500
     config.theory.every = 20  # tangent-kernel certificate every 20 steps (J is 64 × 13k)
     config.sweep.beta = (0.0, 0.5, 1.0)
     config.lock()

@@ -118,6 +118,23 @@ def base_config() -> ml_collections.ConfigDict:
     return c
 
 
+def theory_regime_config(dim: int) -> ml_collections.ConfigDict:
+    """The theory regime's shared sizes (our protocol; configs/theory.py, conditioning.py,
+    depth.py): P = M = 8 Gaussian samples of width d = `dim`, d_QK = 16, d_h = 64, one output; a
+    metrics line every 10 steps, progress lines and checkpoints every 500."""
+    c = base_config()
+    c.model.d_qk = 16
+    c.model.d_h = 64
+    c.data.num_samples = 8  # P
+    c.data.seq_len = 8  # M
+    c.data.dim = dim
+    c.data.out_dim = 1
+    c.train.log_every = 10
+    c.train.print_every = 500
+    c.train.checkpoint_every = 500
+    return c
+
+
 def load_config_file(path: str, arg: str | None = None, **overrides) -> ml_collections.ConfigDict:
     """`get_config(arg)` of the config file at `path` (`configs/x.py:arg` on the command line),
     with dotted-key `overrides`.

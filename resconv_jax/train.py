@@ -22,12 +22,11 @@ from jax.experimental import multihost_utils
 
 from resconv_jax import memory, multihost, sharding, signals
 from resconv_jax import workdir as wd
-from resconv_jax.analysis import probe
+from resconv_jax.analysis import lanczos, probe
 from resconv_jax.analysis.certificate import (
     Kernel,
     jacobian_fits,
     lanczos_eigenvalues,
-    lanczos_products,
     loss_scale,
     with_kernel_lrs,
 )
@@ -271,7 +270,7 @@ def _make_kernel(config, fns, scale: float, num_outputs: int, num_params: int) -
     if jacobian_fits(config, num_outputs, num_params):
         return Kernel(jax.jit(fns.kernel_eigenvalues), scale)
     iterations = config.theory.lanczos_iterations
-    products = lanczos_products(iterations, num_outputs, num_params)
+    products = lanczos.num_products(iterations, num_outputs, num_params)
     print(
         f"theory: J ({num_outputs} outputs x {num_params} params) exceeds "
         f"theory.max_jacobian_entries={config.theory.max_jacobian_entries}: λ_min, λ_max of K by "

@@ -42,14 +42,15 @@ def paper_model(x_shape=(4, 5, 6), num_layers=2):
     return model, x
 
 
+def paper_outputs(hp, seed):
+    """(f, params): params -> the paper model's outputs on `paper_model`'s x, at residuals hp."""
+    model, x = paper_model()
+    return (lambda p: model.apply(p, x, hp)), model.init(seed)
+
+
 def test_paper_model_matches_dense_in_float64():
     with jax.enable_x64(True):
-        model, x = paper_model()
-        hp = {"beta_attn": 0.5, "beta_ffn": 1.0}
-        params = model.init(3)
-
-        def f(p):
-            return model.apply(p, x, hp)
+        f, params = paper_outputs({"beta_attn": 0.5, "beta_ffn": 1.0}, seed=3)
 
         n, p = theory.jacobian_shape(f, params)
         assert n <= p
@@ -132,12 +133,7 @@ def test_breakdown_with_full_rank_restarts_instead_of_inventing_zeros():
 
 def test_fewer_steps_bound_the_extremes_from_inside():
     with jax.enable_x64(True):
-        model, x = paper_model()
-        hp = {"beta_attn": 1.0, "beta_ffn": 1.0}
-        params = model.init(5)
-
-        def f(p):
-            return model.apply(p, x, hp)
+        f, params = paper_outputs({"beta_attn": 1.0, "beta_ffn": 1.0}, seed=5)
 
         lam_min, lam_max = dense(f, params)
         spec = lanczos(f, params, 10)  # m = n = 40

@@ -40,13 +40,6 @@ def lanczos_eigenvalues(predict, iterations: int):
     return lambda params, hp, x: jax.lax.map(lambda run: one_run(run, x), (params, hp))
 
 
-def lanczos_products(iterations: int, num_outputs: int, num_params: int) -> int:
-    """Products K v (one JVP and one VJP each) per run per Lanczos call (see `lanczos`)."""
-    if num_outputs <= num_params:
-        return min(iterations, num_outputs) + 2
-    return min(iterations, num_params) + 1
-
-
 @dataclasses.dataclass
 class Kernel:
     """The tangent-kernel certificate: jitted eigenvalues and the latest λ_max per run."""

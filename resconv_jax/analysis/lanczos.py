@@ -90,10 +90,20 @@ def tangent_kernel_lanczos(f: Callable, params, *, iterations: int) -> KernelSpe
     ys = jnp.matmul(ends, basis, precision=_HI)  # (2 or 1, m)
     ys = ys / _floor(jnp.linalg.norm(ys, axis=1, keepdims=True))
     res = jnp.linalg.norm(jax.vmap(apply)(ys) - ritz_ends[:, None] * ys, axis=1)
-    zero = jnp.zeros((), dtype)
+    zero, products = jnp.zeros((), dtype), num_products(iterations, n, p)
     if n > p:
-        return KernelSpectrum(zero, jnp.maximum(ritz[-1], 0), zero, res[0], k + 1)
-    return KernelSpectrum(jnp.maximum(ritz[0], 0), jnp.maximum(ritz[-1], 0), res[0], res[1], k + 2)
+        return KernelSpectrum(zero, jnp.maximum(ritz[-1], 0), zero, res[0], products)
+    return KernelSpectrum(
+        jnp.maximum(ritz[0], 0), jnp.maximum(ritz[-1], 0), res[0], res[1], products
+    )
+
+
+def num_products(iterations: int, n: int, p: int) -> int:
+    """Operator products one `tangent_kernel_lanczos` call uses for J of shape (n, p): the
+    k = min(iterations, m) Lanczos steps and one residual product per reported extreme."""
+    if n <= p:
+        return min(iterations, n) + 2
+    return min(iterations, p) + 1
 
 
 def _floor(x):

@@ -41,7 +41,8 @@ def run_rows(history: list[dict], loss_scale: float = 1.0, floor: float = FIT_FL
         window = [line for line in lines if line["loss"] > floor * losses[0] and Z_MIN in line]
         ratio = np.array([(line[Z_MIN] / line[Z_MAX]) ** 2 for line in window])
         first = lines[0]
-        lam_min = _first(lines, run, "ntk/lambda_min")
+        z_min, z_max = _first(lines, run, Z_MIN), _first(lines, run, Z_MAX)
+        lam_min, lam_max = (_first(lines, run, f"ntk/lambda_{k}") for k in ("min", "max"))
         rows.append(
             {
                 "run": run,
@@ -54,12 +55,12 @@ def run_rows(history: list[dict], loss_scale: float = 1.0, floor: float = FIT_FL
                 "rate": rate,
                 "rate_r2": r2,
                 "speed": 1.0 - rate,
-                "z_ratio_sq_init": _first(lines, run, Z_MIN) ** 2 / _first(lines, run, Z_MAX) ** 2,
+                "z_ratio_sq_init": z_min**2 / z_max**2,
                 "z_ratio_sq_window_mean": float(ratio.mean()) if ratio.size else math.nan,
-                "z_sigma_max_sq_init": _first(lines, run, Z_MAX) ** 2,
+                "z_sigma_max_sq_init": z_max**2,
                 "lambda_min_init": lam_min,
-                "lambda_max_init": _first(lines, run, "ntk/lambda_max"),
-                "lambda_ratio_init": lam_min / _first(lines, run, "ntk/lambda_max"),
+                "lambda_max_init": lam_max,
+                "lambda_ratio_init": lam_min / lam_max,
                 "eta_lambda_min_init": first["lr"] * loss_scale * lam_min,
                 "stable_lr_init": _first(lines, run, "ntk/stable_lr"),
             }

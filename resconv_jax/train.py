@@ -180,8 +180,11 @@ def run(config, workdir: str) -> list[dict]:
         _lock_on_process_0(workdir, lock)
         try:
             groups = group_runs(expand_runs(config))
-            if len(groups) == 1:
-                return _run_locked(config, wd.path(workdir), dataset, groups[0][1])
+            if len(groups) == 1:  # a one-element depth or width sweep is that setting, given
+                shape, runs = groups[0]
+                config = group_config(config, shape)
+                data = dataset if shape[1] is None else load_dataset(config)
+                return _run_locked(config, wd.path(workdir), data, runs)
             return _run_groups(config, wd.path(workdir), dataset, groups)
         except (ValueError, Preempted):  # ConfigError, data or weights errors: nothing kept
             if created and jax.process_index() == 0:
@@ -282,6 +285,24 @@ def _make_kernel(config, fns, scale: float, num_outputs: int, num_params: int) -
     return Kernel(jax.jit(lanczos_eigenvalues(fns.predict, iterations)), scale)
 
 
+def group_config(config, shape: tuple[int | None, int | None]):
+    """`config` with one shape of its depth or width sweep set (model.num_layers, data.dim) and
+    those sweep lists emptied; `config` itself when neither is swept."""
+    layers, dim = shape
+    if layers is None and dim is None:
+        return config
+    with config.unlocked():
+        resolved = config.copy_and_resolve_references()
+    with resolved.unlocked():
+        if layers is not None:
+            resolved.model.num_layers = layers
+        if dim is not None:
+            resolved.data.dim = dim
+        resolved.sweep.num_layers = ()
+        resolved.sweep.dim = ()
+    return resolved
+
+
 def _run_groups(config, workdir: epath.Path, dataset, groups) -> list[dict]:
     """A sweep over depths or widths: each shape's runs are one program, trained in
     WORKDIR/layers_<L> or dim_<d> (`group_folder`: checkpoints, metrics, summary; resumable on
@@ -301,17 +322,9 @@ def _run_groups(config, workdir: epath.Path, dataset, groups) -> list[dict]:
             f"{name}={value}" for name, value in (("L", layers), ("d", dim)) if value is not None
         )
         print(f"{shape}: runs {runs[0].index}-{runs[-1].index} in {group_dir}", flush=True)
-        with config.unlocked():
-            group_config = config.copy_and_resolve_references()
-        with group_config.unlocked():
-            if layers is not None:
-                group_config.model.num_layers = layers
-            if dim is not None:
-                group_config.data.dim = dim
-            group_config.sweep.num_layers = ()
-            group_config.sweep.dim = ()
-        group_data = dataset if dim is None else load_dataset(group_config)
-        summaries += _run_locked(group_config, group_dir, group_data, runs)
+        shape_config = group_config(config, (layers, dim))
+        group_data = dataset if dim is None else load_dataset(shape_config)
+        summaries += _run_locked(shape_config, group_dir, group_data, runs)
         lines += read_metrics_lines(group_dir)
     if jax.process_index() == 0:
         with atomic_open(workdir / METRICS_FILE) as f:

@@ -82,3 +82,19 @@ def test_a_width_sweep_of_real_data_is_refused():
     config = tiny(**{"sweep.dim": (16,), "data.name": "jena"})
     with pytest.raises(ConfigError, match="sweep.dim sweeps the width of synthetic data"):
         validate_config(config)
+
+
+@pytest.mark.parametrize(
+    "sweep, direct, label",
+    [
+        ({"sweep.num_layers": (2,)}, {"model.num_layers": 2}, "num_layers"),
+        ({"sweep.dim": (16,)}, {"data.dim": 16}, "dim"),
+    ],
+)
+def test_a_one_element_sweep_equals_that_setting_given_directly(tmp_path, sweep, direct, label):
+    steps = {"train.num_steps": 10, "sweep.beta": (1.0,)}
+    summaries = train.run(tiny(**steps, **sweep), str(tmp_path / "sweep"))
+    train.run(tiny(**steps, **direct), str(tmp_path / "direct"))
+    assert [s[label] for s in summaries] == list(list(sweep.values())[0])
+    swept, alone = read_metrics(str(tmp_path / "sweep")), read_metrics(str(tmp_path / "direct"))
+    assert without(swept, label) == alone

@@ -335,3 +335,19 @@ def test_sst2_config_trains_a_tiny_random_gpt2(tmp_path):
     layers = (tmp_path / "layers_table.csv").read_text().splitlines()
     assert len(layers) == 1 + 2 * 1 + 2 * 2  # header, then one row per run and layer
     assert "z/collapse_residual/start" in layers[0]
+
+
+def test_a_one_element_depth_sweep_beyond_the_checkpoint_is_refused(tmp_path):
+    """sweep.num_layers=(6,) on a 3-block GPT-2: one line naming both depths, no workdir."""
+    from resconv_jax import train
+    from resconv_jax.config_defaults import load_config_file
+
+    config = load_config_file(
+        os.path.join(os.path.dirname(__file__), "..", "configs", "sst2.py"),
+        **{"model.weights": "random", "sweep.num_layers": (6,), "data.num_train": 8},
+    )
+    with config.unlocked():
+        config.model.gpt2_shape.update(n_embd=16, n_head=2, n_layer=3, n_positions=64)
+    with pytest.raises(ValueError, match="num_layers=6 must be between 1 and n_layer=3"):
+        train.run(config, str(tmp_path / "w"))
+    assert not (tmp_path / "w").exists()

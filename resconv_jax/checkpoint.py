@@ -188,13 +188,13 @@ class Checkpointer:
         abstract_state,
         *,
         max_step: int | None = None,
-        accept: Callable[[object], str | None] = lambda state: None,
+        accept: Callable[[object, dict], str | None] = lambda state, meta: None,
         report: Callable[[str], None] = print,
     ) -> tuple[int, object, dict] | None:
         """(step, state, meta) of the newest good checkpoint at or before `max_step`, or None.
 
         `abstract_state` gives the shapes, dtypes and shardings to restore into. A checkpoint is
-        good if it reads, its arrays match the hashes saved with them, and `accept(state)` returns
+        good if it reads, its arrays match the hashes saved with them, and `accept(state, meta)` returns
         None (else the reason it is refused). Every checkpoint after the one returned (refused,
         or past `max_step`) is deleted, so that the resumed run can save those steps again; each
         skip is `report`-ed in one line.
@@ -207,7 +207,7 @@ class Checkpointer:
                 continue
             problem, state, meta = self._verified(step, abstract)
             if problem is None:
-                problem = accept(state)
+                problem = accept(state, meta)
             if problem is None:
                 found = step, state, meta
                 break

@@ -88,7 +88,7 @@ def run_loop(config, workdir, program, checkpointer, writer, step, config_json, 
                         f"(the run is at step {step}); rerun the same command to go on"
                     )
                 if checkpointer.latest_step() != step:
-                    checkpointer.save(step, state, meta | {"step": step}, force=True)
+                    checkpointer.save(step, state, writer.checkpoint_meta(meta, step), force=True)
                 checkpointer.wait()
                 raise Preempted(
                     f"preempted at step {step}: checkpoint saved in {checkpointer.directory}; "
@@ -116,7 +116,7 @@ def run_loop(config, workdir, program, checkpointer, writer, step, config_json, 
                 message = _diverged(config, program, checkpointer, writer, step, losses)
                 raise TrainingDiverged(message)
             step += num
-            checkpointer.save(step, state, meta | {"step": step}, force=step == total)
+            checkpointer.save(step, state, writer.checkpoint_meta(meta, step), force=step == total)
             if step % train.print_every == 0 or step == total:
                 now = time.perf_counter()
                 rate = (step - last_print_step) / max(now - last_print, 1e-9)

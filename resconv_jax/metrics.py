@@ -10,6 +10,7 @@ rewritten in place; on object storage, which cannot append, it is replaced whole
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import math
@@ -51,6 +52,15 @@ def read_metrics_lines(workdir) -> list[tuple[str, dict]]:
             break
         lines.append((raw.decode(), record))
     return lines
+
+
+def lines_digest(texts) -> str:
+    """SHA-256 (hex) of metrics lines' text, in order: what a checkpoint records of the lines
+    before its step, so that a resume can tell whether they were changed since."""
+    digest = hashlib.sha256()
+    for text in texts:
+        digest.update(text.encode())
+    return digest.hexdigest()
 
 
 def read_metrics(workdir) -> list[dict]:
@@ -130,6 +140,9 @@ class MetricsWriter:
     def __init__(self, workdir, kept: list[tuple[str, dict]]):
         self.enabled = jax.process_index() == 0
         self.history = [record for _, record in kept]
+        self._digest = hashlib.sha256()
+        for text, _ in kept:
+            self._digest.update(text.encode())
         if not self.enabled:
             return
         self._workdir = wd.path(workdir)
@@ -169,9 +182,11 @@ class MetricsWriter:
         """One metrics line per record (each a run's settings and values) at `step`."""
         lines = [{"step": step, **{k: _json_value(v) for k, v in r.items()}} for r in records]
         self.history.extend(lines)
+        texts = [json.dumps(line) + "\n" for line in lines]
+        for text in texts:
+            self._digest.update(text.encode())
         if not self.enabled:
             return
-        texts = [json.dumps(line) + "\n" for line in lines]
         if self._local:
             with writing(self._path):
                 self._file.writelines(texts)
@@ -180,6 +195,11 @@ class MetricsWriter:
             self._lines.extend(texts)
         self._add_scalars(step, _scalars_of(lines))
         self._dirty = True
+
+    def checkpoint_meta(self, meta: dict, step: int) -> dict:
+        """`meta` for the checkpoint of `step`: with the step and the `lines_digest` of every
+        line written so far (those of the steps before it)."""
+        return meta | {"step": step, "metrics_sha256": self._digest.hexdigest()}
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         """Run-wide scalars (timings, FLOP/s) to TensorBoard only."""

@@ -77,6 +77,24 @@ def group_folder(shape: tuple[int | None, int | None]) -> str:
     return "_".join(parts)
 
 
+def group_config(config, shape: tuple[int | None, int | None]):
+    """`config` with one shape of its depth or width sweep set (model.num_layers, data.dim) and
+    those sweep lists emptied; `config` itself when neither is swept."""
+    layers, dim = shape
+    if layers is None and dim is None:
+        return config
+    with config.unlocked():
+        resolved = config.copy_and_resolve_references()
+    with resolved.unlocked():
+        if layers is not None:
+            resolved.model.num_layers = layers
+        if dim is not None:
+            resolved.data.dim = dim
+        resolved.sweep.num_layers = ()
+        resolved.sweep.dim = ()
+    return resolved
+
+
 def run_hparams(runs: list[RunSpec]) -> dict[str, np.ndarray]:
     """Per-run residual coefficients as float32 arrays of shape (R,)."""
     return {

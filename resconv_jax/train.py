@@ -34,10 +34,12 @@ from resconv_jax.analysis.summary import fit_floor, run_summaries
 from resconv_jax.checkpoint import Checkpointer, checkpoint_losses_finite
 from resconv_jax.data import load_dataset
 from resconv_jax.divergence import TrainingDiverged
+from resconv_jax.finished import RUNS_FILE, SUMMARY_FILE
 from resconv_jax.loop import Preempted, Program, run_loop
 from resconv_jax.metrics import (
     METRICS_FILE,
     MetricsWriter,
+    lines_digest,
     read_metrics_lines,
     step_flops,
     valid_prefix,
@@ -50,7 +52,7 @@ from resconv_jax.step import (
     make_optimizer,
     make_step_functions,
 )
-from resconv_jax.sweep import expand_runs, group_folder, group_runs, run_hparams
+from resconv_jax.sweep import expand_runs, group_config, group_folder, group_runs, run_hparams
 from resconv_jax.validation import ConfigError, check_workdir, validate_config
 from resconv_jax.workdir import (
     CONFIG_FILE,
@@ -66,10 +68,6 @@ from resconv_jax.workdir import (
 
 __all__ = ["SUMMARY_FILE", "Preempted", "TrainingDiverged", "run"]
 
-SUMMARY_FILE = "summary.json"
-# The expanded sweep, one entry per run with the settings it trains with (config.json holds the
-# config as given: its model.beta_attn is not what a β sweep's runs use; lr_rule=lambda_max's η).
-RUNS_FILE = "runs.json"
 
 
 def _init_params(model: Model, runs) -> dict:
@@ -285,24 +283,6 @@ def _make_kernel(config, fns, scale: float, num_outputs: int, num_params: int) -
     return Kernel(jax.jit(lanczos_eigenvalues(fns.predict, iterations)), scale)
 
 
-def group_config(config, shape: tuple[int | None, int | None]):
-    """`config` with one shape of its depth or width sweep set (model.num_layers, data.dim) and
-    those sweep lists emptied; `config` itself when neither is swept."""
-    layers, dim = shape
-    if layers is None and dim is None:
-        return config
-    with config.unlocked():
-        resolved = config.copy_and_resolve_references()
-    with resolved.unlocked():
-        if layers is not None:
-            resolved.model.num_layers = layers
-        if dim is not None:
-            resolved.data.dim = dim
-        resolved.sweep.num_layers = ()
-        resolved.sweep.dim = ()
-    return resolved
-
-
 def _run_groups(config, workdir: epath.Path, dataset, groups) -> list[dict]:
     """A sweep over depths or widths: each shape's runs are one program, trained in
     WORKDIR/layers_<L> or dim_<d> (`group_folder`: checkpoints, metrics, summary; resumable on
@@ -407,7 +387,14 @@ def _restore(config, workdir: epath.Path, checkpointer: Checkpointer, program: P
             flush=True,
         )
 
-    def accept(state) -> str | None:
+    def accept(state, meta: dict) -> str | None:
+        saved = meta.get("metrics_sha256")
+        before = [text for text, record in prefix if record["step"] < meta.get("step", 0)]
+        if saved is not None and saved != lines_digest(before):
+            return (
+                f"does not match the lines of {METRICS_FILE} before it (they were changed after "
+                "it was saved)"
+            )
         return checkpoint_losses_finite(
             multihost.to_host(program.evaluate(state["params"], program.hp, program.x, program.y))
         )

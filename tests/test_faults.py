@@ -202,7 +202,7 @@ def test_a_restored_state_with_a_non_finite_loss_is_refused(tmp_path):
     lines = []
     step, state, _ = checkpointer.restore_latest(
         good,
-        accept=lambda s: checkpoint_losses_finite(np.asarray(s["w"]).sum(keepdims=True)),
+        accept=lambda s, meta: checkpoint_losses_finite(np.asarray(s["w"]).sum(keepdims=True)),
         report=lines.append,
     )
     assert step == 10 and lines == [

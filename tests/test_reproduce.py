@@ -154,12 +154,13 @@ def test_reproduce_tiny_writes_every_claim_and_knows_its_runs_finished(tmp_path)
     for experiment in reproduce.experiment_list("tiny"):
         if experiment.name == "sst2":
             experiment = reproduce._random_sst2(experiment)
-        assert reproduce._finished(experiment.load(), str(tmp_path / experiment.name))
+        workdir = str(tmp_path / experiment.name)
+        assert reproduce._unfinished_reason(experiment.load(), workdir) is None, experiment.name
     longer = reproduce.experiment_list("tiny")[0]
     longer = reproduce.Experiment(
         longer.name, longer.config, longer.overrides | {"train.num_steps": 60}, ""
     )
-    assert not reproduce._finished(longer.load(), str(tmp_path / "theory"))
+    assert reproduce._unfinished_reason(longer.load(), str(tmp_path / "theory"))
 
 
 def test_reproduce_refuses_a_bad_scale(tmp_path):
@@ -196,3 +197,34 @@ def test_the_descent_p_value_permutes_beta_within_seeds():
     monotone = 100 - 50 * betas + seeds
     assert descent.stratified_p_value(betas, monotone, seeds) < 0.001  # every seed in order
     assert descent.stratified_p_value(betas, rng.permutation(monotone), seeds) > 0.05
+
+
+def _edit_loss(path, line_number: int) -> None:
+    """Changes the loss of one metrics line in place, keeping the file's length."""
+    lines = path.read_text().splitlines(keepends=True)
+    record = json.loads(lines[line_number])
+    text = lines[line_number].replace(json.dumps(record["loss"]), json.dumps(record["loss"] * 2))
+    lines[line_number] = text
+    path.write_text("".join(lines))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "edit_middle", "edit_last"])
+def test_a_damaged_finished_run_is_resumed_not_reused(tmp_path, damage):
+    from resconv_jax.experiments import reproduce
+
+    overrides = {"train.num_steps": 20, "train.checkpoint_every": 10, "sweep.beta": (0.0, 1.0),
+                 "train.async_checkpoints": False, "probe.enabled": False}  # fmt: skip
+    experiment = reproduce.Experiment("tiny", "tiny.py", overrides, "tiny")
+    assert reproduce.run_experiment(experiment, str(tmp_path), {}).status == "ran"
+    assert reproduce.run_experiment(experiment, str(tmp_path), {}).status == "reused"
+    metrics, summary = tmp_path / "tiny" / "metrics.jsonl", tmp_path / "tiny" / "summary.json"
+    good_metrics, good_summary = metrics.read_bytes(), summary.read_bytes()
+    if damage == "truncate":
+        with open(metrics, "r+b") as f:
+            f.truncate(len(good_metrics) // 2)
+    else:
+        _edit_loss(metrics, 2 if damage == "edit_middle" else -1)
+    outcome = reproduce.run_experiment(experiment, str(tmp_path), {})
+    assert outcome.status == "resumed" and outcome.reason.startswith("not reusable: ")
+    assert metrics.read_bytes() == good_metrics and summary.read_bytes() == good_summary
+    assert reproduce.run_experiment(experiment, str(tmp_path), {}).status == "reused"

@@ -5,9 +5,11 @@ claim, then each experiment's tables and figures, the machine, versions and wall
     python -m resconv_jax.reproduce --workdir=DIR [--scale=small|paper|tiny]
 
 `small` fits 2 CPU cores in about 15 minutes; `paper` is the full protocol (a GPU or a pod);
-`tiny` is a smoke test of seconds whose numbers mean nothing. A finished experiment (its
-config.json equal to this scale's config, every run at its last step) is reused, not rerun; an
-interrupted one resumes. SST-2 uses the pretrained GPT-2 when its weights are found (see
+`tiny` is a smoke test whose numbers mean nothing. A finished experiment is reused, not rerun,
+only when its files pass the checks a resume makes (`finished.why_unfinished`: this scale's
+config, every run's line at every logged step up to the last, the checkpoint's record of those
+lines, summary.json as they give it); an interrupted or damaged one is resumed from its last
+good checkpoint, and the report says why. SST-2 uses the pretrained GPT-2 when its weights are found (see
 configs/sst2.py) and otherwise the random-init variant, labelled so in the report.
 
 Exit status: 0 when every experiment ran or was reused, 1 when one could not run (the report
@@ -35,6 +37,7 @@ from resconv_jax.config_defaults import load_config_file
 from resconv_jax.divergence import TrainingDiverged
 from resconv_jax.experiments import claims
 from resconv_jax.experiments.report import write_run_report
+from resconv_jax.finished import why_unfinished
 from resconv_jax.models.weights import WeightsNotFound
 from resconv_jax.workdir import WorkdirBusy, WorkdirWriteError, read_saved_config
 
@@ -128,26 +131,23 @@ class Outcome:
 
     experiment: Experiment
     workdir: str
-    status: str  # "ran", "reused" or "not run"
+    status: str  # "ran", "resumed" (found unfinished or damaged), "reused" or "not run"
     seconds: float | None
     tables: list[str]
     reason: str = ""
     missing_weights: bool = False  # stopped because the pretrained weights were not found
 
 
-def _finished(config, workdir: str) -> bool:
-    """Whether `workdir` holds this config's run, finished (no step left to train)."""
-    saved = read_saved_config(workdir)
-    if saved is None or saved != json.loads(config.to_json_best_effort()):
-        return False
-    folder = wd.path(workdir)
+def _unfinished_reason(config, workdir: str) -> str | None:
+    """None when `workdir` holds this config's run, finished and intact (`finished`), else why
+    not; "" when it holds no run of it at all."""
+    if not wd.path(workdir).exists() or read_saved_config(workdir) is None:
+        return ""
     if config.task == "rank_collapse":
-        return (folder / "rank_collapse.csv").exists()
-    summary = folder / "summary.json"
-    if not summary.exists():
-        return False
-    runs = json.loads(summary.read_text())
-    return bool(runs) and all(r["final_step"] == config.train.num_steps for r in runs)
+        same = read_saved_config(workdir) == json.loads(config.to_json_best_effort())
+        done = same and (wd.path(workdir) / "rank_collapse.csv").exists()
+        return None if done else "rank_collapse.csv or its config is missing"
+    return why_unfinished(config, workdir)
 
 
 def _run_one(experiment: Experiment, root: str, times: dict) -> Outcome:
@@ -156,11 +156,16 @@ def _run_one(experiment: Experiment, root: str, times: dict) -> Outcome:
     float64 = config.model.dtype == "float64" or config.probe.dtype == "float64"
     print(f"== {experiment.name}: {experiment.title} ({workdir})", flush=True)
     with jax.enable_x64(float64):
-        if _finished(config, workdir):
+        problem = _unfinished_reason(config, workdir)
+        if problem is None:
             tables = [] if config.task == "rank_collapse" else write_run_report(workdir)
             seconds = times.get(experiment.name, {}).get("seconds")
             print(f"   finished before: reused ({workdir})", flush=True)
             return Outcome(experiment, workdir, "reused", seconds, tables)
+        status, reason = "ran", ""
+        if problem:
+            status, reason = "resumed", f"not reusable: {problem}"
+            print(f"   {reason}: resuming from the last good checkpoint", flush=True)
         start = time.perf_counter()
         if config.task == "rank_collapse":
             experiments.run(config, workdir)
@@ -170,7 +175,7 @@ def _run_one(experiment: Experiment, root: str, times: dict) -> Outcome:
             tables = write_run_report(workdir)
             for text in tables:
                 print(text, flush=True)
-        return Outcome(experiment, workdir, "ran", time.perf_counter() - start, tables)
+        return Outcome(experiment, workdir, status, time.perf_counter() - start, tables, reason)
 
 
 def run_experiment(experiment: Experiment, root: str, times: dict) -> Outcome:
@@ -276,6 +281,7 @@ def format_report(
         status = {
             "ran": f"ran in {wall}, code {code}",
             "reused": f"reused (finished before; {wall}, code {code})",
+            "resumed": f"{o.reason}: resumed and finished in {wall}, code {code}",
         }.get(o.status, f"not run: {o.reason}")
         lines += [f"## {o.experiment.title}", "", f"`{o.workdir}`, config `configs/"
                   f"{o.experiment.config}`; {status}.", ""]  # fmt: skip
@@ -337,7 +343,7 @@ def reproduce(root: str, scale: str, readme: str | None = None) -> int:
         else:
             outcomes[experiment.name] = run_experiment(experiment, root, times)
         outcome = outcomes[experiment.name]
-        if outcome.status == "ran":
+        if outcome.status in ("ran", "resumed"):
             times[outcome.experiment.name] = {
                 "seconds": outcome.seconds,
                 "scale": scale,

@@ -1,0 +1,129 @@
+"""Whether a workdir holds a config's training run, finished and intact, from its files alone.
+
+`reproduce` reuses a run only when `why_unfinished` finds nothing wrong: the checks a resume makes
+(config.json is this config's, metrics.jsonl holds every run's line at every logged step up to
+train.num_steps and nothing else, the latest checkpoint's record of the lines before it matches
+them), and summary.json is what those lines give. Nothing is built, compiled or written.
+"""
+
+from __future__ import annotations
+
+import json
+
+import orbax.checkpoint as ocp
+
+from resconv_jax import workdir as wd
+from resconv_jax.analysis.summary import fit_floor, run_summaries
+from resconv_jax.metrics import METRICS_FILE, lines_digest, read_metrics_lines, valid_prefix
+from resconv_jax.sweep import expand_runs, group_config, group_folder, group_runs
+from resconv_jax.workdir import CONFIG_FILE, json_safe, read_saved_config
+
+SUMMARY_FILE = "summary.json"
+# The expanded sweep, one entry per run with the settings it trains with (config.json holds the
+# config as given: its model.beta_attn is not what a β sweep's runs use; lr_rule=lambda_max's η).
+RUNS_FILE = "runs.json"
+CHECKPOINTS = "checkpoints"
+
+
+def why_unfinished(config, workdir) -> str | None:
+    """None when `workdir` holds `config`'s run, finished and intact; else the first problem
+    found, in a few words ("metrics.jsonl ends at step 120 of 300"). ConfigError when
+    config.json is unreadable."""
+    folder = wd.path(workdir)
+    groups = group_runs(expand_runs(config))
+    if len(groups) == 1:
+        shape, runs = groups[0]
+        return _why_group_unfinished(group_config(config, shape), folder, len(runs))
+    problem = _why_config_differs(config, folder)
+    if problem:
+        return problem
+    lines, summaries = [], []
+    for shape, runs in groups:
+        group_dir = folder / group_folder(shape)
+        problem = _why_group_unfinished(group_config(config, shape), group_dir, len(runs))
+        if problem:
+            return f"{group_folder(shape)}: {problem}"
+        lines += read_metrics_lines(group_dir)
+        summaries += json.loads((group_dir / SUMMARY_FILE).read_text())
+    if _text(folder / METRICS_FILE) != "".join(text for text, _ in lines):
+        return f"{METRICS_FILE} is not the merge of its groups' files"
+    if _json(folder / SUMMARY_FILE) != summaries:
+        return f"{SUMMARY_FILE} is not the merge of its groups' files"
+    return None
+
+
+def _why_config_differs(config, folder) -> str | None:
+    saved = read_saved_config(folder)
+    if saved is None:
+        return f"no {CONFIG_FILE}"
+    if saved != json.loads(config.to_json_best_effort()):
+        return f"{CONFIG_FILE} holds another config"
+    return None
+
+
+def _why_group_unfinished(config, folder, num_runs: int) -> str | None:
+    """The checks of one program's run directory (R = `num_runs` runs)."""
+    problem = _why_config_differs(config, folder)
+    if problem:
+        return problem
+    settings = _json(folder / RUNS_FILE)
+    if not isinstance(settings, list) or len(settings) != num_runs:
+        return f"{RUNS_FILE} is missing or does not list the sweep's {num_runs} runs"
+    lines = read_metrics_lines(folder)
+    total, log_every = config.train.num_steps, config.train.log_every
+    prefix, _ = valid_prefix(lines, settings, log_every)
+    last = prefix[-1][1]["step"] if prefix else None
+    if last != total:
+        where = f"ends at step {last}" if prefix else "has no valid line"
+        return f"{METRICS_FILE} {where} of {total}"
+    if _text(folder / METRICS_FILE) != "".join(text for text, _ in prefix):
+        return f"{METRICS_FILE} holds more than its valid lines (a torn or foreign line)"
+    problem = _why_checkpoint_disagrees(folder, prefix)
+    if problem:
+        return problem
+    history = [record for _, record in prefix]
+    expected = json_safe(run_summaries(history, settings, fit_floor(config.model.dtype)))
+    if _json(folder / SUMMARY_FILE) != json.loads(json.dumps(expected)):
+        return f"{SUMMARY_FILE} is missing or disagrees with {METRICS_FILE}"
+    return None
+
+
+def _why_checkpoint_disagrees(folder, prefix) -> str | None:
+    """The latest checkpoint's record of the metrics lines before its step against the file."""
+    directory = folder / CHECKPOINTS
+    if not directory.exists():
+        return f"no {CHECKPOINTS}/"
+    steps = sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+    if not steps:
+        return f"no checkpoint in {CHECKPOINTS}/"
+    meta_dir = directory / str(steps[-1]) / "meta"
+    try:
+        with ocp.CheckpointManager(directory, options=_READ_ONLY) as manager:
+            meta = manager.restore(
+                steps[-1], args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+            ).meta
+    except Exception:  # noqa: BLE001 - any failure to read means the resume decides
+        return f"the metadata in {meta_dir} cannot be read"
+    saved = meta.get("metrics_sha256") if isinstance(meta, dict) else None
+    before = [text for text, record in prefix if record["step"] < steps[-1]]
+    if saved is not None and saved != lines_digest(before):
+        return f"{METRICS_FILE} was changed after the checkpoint of step {steps[-1]}"
+    return None
+
+
+_READ_ONLY = ocp.CheckpointManagerOptions(create=False, read_only=True)
+
+
+def _text(target) -> str | None:
+    try:
+        return target.read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _json(target):
+    text = _text(target)
+    try:
+        return None if text is None else json.loads(text)
+    except json.JSONDecodeError:
+        return None

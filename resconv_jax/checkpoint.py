@@ -194,10 +194,10 @@ class Checkpointer:
         """(step, state, meta) of the newest good checkpoint at or before `max_step`, or None.
 
         `abstract_state` gives the shapes, dtypes and shardings to restore into. A checkpoint is
-        good if it reads, its arrays match the hashes saved with them, and `accept(state, meta)` returns
-        None (else the reason it is refused). Every checkpoint after the one returned (refused,
-        or past `max_step`) is deleted, so that the resumed run can save those steps again; each
-        skip is `report`-ed in one line.
+        good if it reads, its arrays match the hashes saved with them, and `accept(state, meta)`
+        returns None (else the reason it is refused). Every checkpoint after the one returned
+        (refused, or past `max_step`) is deleted, so that the resumed run can save those steps
+        again; each skip is `report`-ed in one line.
         """
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
         found, skipped = None, []

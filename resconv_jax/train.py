@@ -69,7 +69,6 @@ from resconv_jax.workdir import (
 __all__ = ["SUMMARY_FILE", "Preempted", "TrainingDiverged", "run"]
 
 
-
 def _init_params(model: Model, runs) -> dict:
     """The initial parameters of every run, stacked (R, ...): each from its run's seed."""
     return model.init_runs([run.seed for run in runs])

@@ -16,6 +16,7 @@ from resconv_jax import workdir as wd
 from resconv_jax.analysis.summary import fit_floor, run_summaries
 from resconv_jax.metrics import METRICS_FILE, lines_digest, read_metrics_lines, valid_prefix
 from resconv_jax.sweep import expand_runs, group_config, group_folder, group_runs
+from resconv_jax.validation import ConfigError
 from resconv_jax.workdir import CONFIG_FILE, json_safe, read_saved_config
 
 SUMMARY_FILE = "summary.json"
@@ -50,6 +51,34 @@ def why_unfinished(config, workdir) -> str | None:
     if _json(folder / SUMMARY_FILE) != summaries:
         return f"{SUMMARY_FILE} is not the merge of its groups' files"
     return None
+
+
+def checkpoint_steps(folder) -> list[int]:
+    """The steps of the checkpoint folders in FOLDER/checkpoints, ascending ([] if none)."""
+    directory = wd.path(folder) / CHECKPOINTS
+    if not directory.exists():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+
+
+def trained_to(folder) -> int:
+    """The furthest step that FOLDER's metrics lines or checkpoints reach (0 for none)."""
+    steps = [record["step"] for _, record in read_metrics_lines(folder)]
+    return max(steps + checkpoint_steps(folder), default=0)
+
+
+def refuse_fewer_steps(config, folders) -> None:
+    """Raises ConfigError when a run in one of `folders` is past train.num_steps: a run is never
+    cut back (its later lines and checkpoints would be deleted)."""
+    total = config.train.num_steps
+    for folder in folders:
+        reached = trained_to(folder)
+        if reached > total:
+            raise ConfigError(
+                f"--workdir={folder} holds a run trained to step {reached}, beyond "
+                f"train.num_steps={total}: a run is not cut back; read step {total} in its "
+                f"{METRICS_FILE}, or use a new --workdir to train {total} steps"
+            )
 
 
 def _why_config_differs(config, folder) -> str | None:
@@ -91,14 +120,13 @@ def _why_group_unfinished(config, folder, num_runs: int) -> str | None:
 def _why_checkpoint_disagrees(folder, prefix) -> str | None:
     """The latest checkpoint's record of the metrics lines before its step against the file."""
     directory = folder / CHECKPOINTS
-    if not directory.exists():
-        return f"no {CHECKPOINTS}/"
-    steps = sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+    steps = checkpoint_steps(folder)
     if not steps:
         return f"no checkpoint in {CHECKPOINTS}/"
     meta_dir = directory / str(steps[-1]) / "meta"
     try:
-        with ocp.CheckpointManager(directory, options=_READ_ONLY) as manager:
+        options = ocp.CheckpointManagerOptions(create=False, read_only=True, save_interval_steps=0)
+        with ocp.CheckpointManager(directory, options=options) as manager:
             meta = manager.restore(
                 steps[-1], args=ocp.args.Composite(meta=ocp.args.JsonRestore())
             ).meta
@@ -109,9 +137,6 @@ def _why_checkpoint_disagrees(folder, prefix) -> str | None:
     if saved is not None and saved != lines_digest(before):
         return f"{METRICS_FILE} was changed after the checkpoint of step {steps[-1]}"
     return None
-
-
-_READ_ONLY = ocp.CheckpointManagerOptions(create=False, read_only=True)
 
 
 def _text(target) -> str | None:

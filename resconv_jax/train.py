@@ -34,7 +34,7 @@ from resconv_jax.analysis.summary import fit_floor, run_summaries
 from resconv_jax.checkpoint import Checkpointer, checkpoint_losses_finite
 from resconv_jax.data import load_dataset
 from resconv_jax.divergence import TrainingDiverged
-from resconv_jax.finished import RUNS_FILE, SUMMARY_FILE
+from resconv_jax.finished import RUNS_FILE, SUMMARY_FILE, refuse_fewer_steps
 from resconv_jax.loop import Preempted, Program, run_loop
 from resconv_jax.metrics import (
     METRICS_FILE,
@@ -290,6 +290,7 @@ def _run_groups(config, workdir: epath.Path, dataset, groups) -> list[dict]:
     saved = read_saved_config(workdir)
     if saved is not None:
         check_same_run(workdir, saved, config_json, CONFIG_FILE)
+    refuse_fewer_steps(config, [workdir / group_folder(shape) for shape, _ in groups])
     if jax.process_index() == 0:
         write_json(workdir / CONFIG_FILE, config_json)
         write_json(workdir / RUNS_FILE, [run.settings() for _, runs in groups for run in runs])
@@ -333,6 +334,7 @@ def _run_locked(config, workdir: epath.Path, dataset, runs) -> list[dict]:
         saved, where = _saved_config(workdir, checkpointer)
         if saved is not None:
             check_same_run(workdir, saved, config_json, where)
+        refuse_fewer_steps(config, [workdir])
         program = _build(config, dataset, mesh, model, num_outputs, num_params, runs)
         _stop_before_training("compiling")
         if jax.process_index() == 0:

@@ -228,3 +228,20 @@ def test_a_damaged_finished_run_is_resumed_not_reused(tmp_path, damage):
     assert outcome.status == "resumed" and outcome.reason.startswith("not reusable: ")
     assert metrics.read_bytes() == good_metrics and summary.read_bytes() == good_summary
     assert reproduce.run_experiment(experiment, str(tmp_path), {}).status == "reused"
+
+
+def test_a_second_reproduce_on_a_busy_folder_is_refused_at_once(tmp_path):
+    from resconv_jax.workdir import WorkdirLock
+
+    holder = WorkdirLock(str(tmp_path))
+    holder.acquire()
+    try:
+        command = [sys.executable, "-m", "resconv_jax.reproduce", f"--workdir={tmp_path}",
+                   "--scale=tiny"]  # fmt: skip
+        result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    finally:
+        holder.release()
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert f"in use by PID {os.getpid()}" in result.stderr
+    assert sorted(os.listdir(tmp_path)) == [".lock"]

@@ -108,3 +108,26 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path, capsys):
     train.run(load_config_file(TINY, **steps), str(workdir))
     assert "checkpoint at step 30 is unreadable" in capsys.readouterr().out
     assert (workdir / METRICS_FILE).read_text() == (reference / METRICS_FILE).read_text()
+
+
+def _files(folder) -> dict[str, bytes]:
+    return {
+        os.path.relpath(os.path.join(root, name), folder): open(
+            os.path.join(root, name), "rb"
+        ).read()
+        for root, _, names in os.walk(folder)
+        for name in names
+        if name != ".lock"
+    }
+
+
+@pytest.mark.parametrize("sweep", [{}, {"sweep.num_layers": (1, 2)}])
+def test_fewer_steps_than_a_run_has_is_refused_touching_nothing(tmp_path, sweep):
+    short = {"train.num_steps": 20, "train.checkpoint_every": 10, "optim.lr": 1e-3}
+    short |= {"train.async_checkpoints": False}
+    train.run(load_config_file(TINY, **short, **sweep), str(tmp_path))
+    before = _files(tmp_path)
+    fewer = load_config_file(TINY, **short | {"train.num_steps": 10}, **sweep)
+    with pytest.raises(ValueError, match="trained to step 20, beyond train.num_steps=10"):
+        train.run(fewer, str(tmp_path))
+    assert _files(tmp_path) == before

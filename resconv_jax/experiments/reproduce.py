@@ -327,12 +327,22 @@ def splice_readme(readme: str, scale: str, table: list[claims.Claim] | None) -> 
 
 def reproduce(root: str, scale: str, readme: str | None = None) -> int:
     """Runs every experiment of `scale` in `root` and writes REPORT.md (and, given `readme`, its
-    claims table into that file: `splice_readme`); the exit status."""
+    claims table into that file: `splice_readme`); the exit status. Holds `root`'s lock
+    throughout: WorkdirBusy when another process holds it."""
     if readme:
         if scale == "tiny":
             raise ValueError("--readme: --scale=tiny numbers mean nothing; use small or paper")
         splice_readme(readme, scale, None)  # the markers are there: checked before any run
     wd.make_folder(root, f"--workdir={root}")
+    lock = wd.WorkdirLock(root)
+    lock.acquire()  # another reproduce on this folder: WorkdirBusy, naming it
+    try:
+        return _reproduce_locked(root, scale, readme)
+    finally:
+        lock.release()
+
+
+def _reproduce_locked(root: str, scale: str, readme: str | None) -> int:
     times_path = wd.path(root) / TIMES_FILE
     times = json.loads(times_path.read_text()) if times_path.exists() else {}
     outcomes, sst2_label = {}, ""

@@ -56,7 +56,7 @@ def why_unfinished(config, workdir) -> str | None:
 def checkpoint_steps(folder) -> list[int]:
     """The steps of the checkpoint folders in FOLDER/checkpoints, ascending ([] if none)."""
     directory = wd.path(folder) / CHECKPOINTS
-    if not directory.exists():
+    if not directory.is_dir():
         return []
     return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
 

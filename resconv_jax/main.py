@@ -133,10 +133,12 @@ def main(argv: list[str]) -> None:
     except SystemExit as exit_:
         status = exit_.code if isinstance(exit_.code, int) else 1
         _watchdog_finish(status)
-        if _watchdog is not None and status:
+        # Multi-process: not JAX's exit-time shutdown, which waits for every process. A failed
+        # write: Orbax's threads of a checkpoint that failed would block the interpreter's exit.
+        if status == EXIT_WRITE_FAILED or (_watchdog is not None and status):
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(status)  # not JAX's exit-time shutdown: it waits for every process
+            os._exit(status)
         raise
     except Exception:
         if _watchdog is None:

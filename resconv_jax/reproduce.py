@@ -49,7 +49,12 @@ def main(argv: list[str]) -> None:
     logging.set_verbosity(logging.WARNING)
     try:
         check_workdir(_WORKDIR.value)
-        sys.exit(experiment.reproduce(_WORKDIR.value, _SCALE.value, _README.value))
+        status = experiment.reproduce(_WORKDIR.value, _SCALE.value, _README.value)
+        if status:  # an experiment's failed checkpoint save leaves Orbax threads that block exit
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+        sys.exit(status)
     except Preempted as stop:
         print(f"{stop}; rerun the same reproduce command to go on", flush=True)
         sys.exit(0)

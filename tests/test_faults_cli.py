@@ -136,3 +136,15 @@ def test_an_unreadable_checkpoint_is_one_line_and_no_traceback(tmp_path):
     assert "checkpoint at step 30 is unreadable (ValueError); trying the previous one" in out
     assert "resuming from step 20" in out
     assert "Traceback" not in err and "Exception ignored" not in err, err
+
+
+@pytest.mark.parametrize("use_async", [True, False])
+def test_a_failed_first_checkpoint_save_exits_4_promptly(tmp_path, use_async):
+    """`checkpoints` is a file: the first save fails; the process must not hang on Orbax's
+    threads after its one line."""
+    tmp_path.joinpath("checkpoints").write_text("")
+    flags = ["--config.train.num_steps=40", f"--config.train.async_checkpoints={use_async}"]
+    status, _, err = finish(main(f"--config={TINY}", f"--workdir={tmp_path}", *flags), timeout=60)
+    assert status == 4, err
+    assert err.strip().splitlines() == [err.strip()]
+    assert "cannot save the checkpoint of step" in err and "Not a directory" in err

@@ -168,9 +168,13 @@ def run(config, workdir: str) -> list[dict]:
     try:
         validate_config(config)
         check_workdir(workdir)
-        if config.data.name == "synthetic":
-            memory.check_synthetic_data(config.data)
+        synthetic = config.data.name == "synthetic"
+        if synthetic:  # from the config's shapes, before anything is drawn
+            memory.check_synthetic_data(config.data, max(config.sweep.dim, default=0))
+            _check_model_size(config, None)
         dataset = load_dataset(config)
+        if not synthetic:
+            _check_model_size(config, dataset)
         _stop_before_training("loading the data")
         created = not wd.path(workdir).exists()
         lock = WorkdirLock(workdir)
@@ -192,6 +196,29 @@ def run(config, workdir: str) -> list[dict]:
             lock.release()
     finally:
         signals.restore(previous_handler)
+
+
+def _check_model_size(config, dataset) -> None:
+    """`memory.check_transformer_size` at the sweep's largest shape: the widest d, the deepest L,
+    the most runs of one program; the data's shapes from `dataset`, or (None) from the config."""
+    if config.model.name != "transformer":
+        return
+    if dataset is None:
+        data = config.data
+        samples, seq_len, d, d_y = data.num_samples, data.seq_len, data.dim, data.out_dim
+        d = max(config.sweep.dim, default=d)
+    else:
+        samples, seq_len, d = dataset.x_train.shape
+        d_y = dataset.y_train.shape[-1]
+    memory.check_transformer_size(
+        config.model,
+        num_samples=samples,
+        seq_len=seq_len,
+        d=d,
+        d_y=d_y,
+        num_layers=max(config.sweep.num_layers, default=config.model.num_layers),
+        runs=max(len(runs) for _, runs in group_runs(expand_runs(config))),
+    )
 
 
 def _build(config, dataset, mesh, model: Model, num_outputs: int, num_params: int, runs) -> Program:

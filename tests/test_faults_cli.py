@@ -14,6 +14,7 @@ from resconv_jax.workdir import WorkdirLock
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 TINY = os.path.join(ROOT, "configs", "tiny.py")
+THEORY = os.path.join(ROOT, "configs", "theory.py")
 
 
 def main(*args, cwd=ROOT):
@@ -37,6 +38,10 @@ def finish(process, timeout: float = 120) -> tuple[int, str, str]:
         ("raises.py", ["--config.optim.lr=1"], "loading it failed (RuntimeError: boom)"),
         (TINY, ["--config.optim.lr=inf"], "config.optim.lr=inf: must be a finite number"),
         (TINY, ["--config.data.num_samples=100000000"], "the data set alone needs"),
+        (THEORY, ["--config.data.dim=10000000"], "(num_samples=8, seq_len=8, d=10000000,"),
+        (THEORY, ["--config.model.d_h=1000000000"], "d_h=1000000000) needs at least 3.3 TiB"),
+        (THEORY, ["--config.model.num_layers=100000"], "num_layers=100000, runs=3,"),
+        (TINY, ["--config.sweep.dim=(16,100000000)"], "d=100000000: the data set alone needs"),
     ],
 )
 def test_bad_input_is_one_line_status_2_nothing_written(tmp_path, config_file, extra, expected):

@@ -18,9 +18,9 @@ from etils import epath
 from resconv_jax import workdir as wd
 from resconv_jax.analysis.summary import fit_floor
 from resconv_jax.experiments import classification, conditioning, depth, descent, regression
-from resconv_jax.metrics import read_metrics
+from resconv_jax.metrics import METRICS_FILE, read_metrics
 from resconv_jax.sweep import group_folder
-from resconv_jax.workdir import WorkdirLock, read_saved_config
+from resconv_jax.workdir import CONFIG_FILE, WorkdirBusy, WorkdirLock, read_saved_config
 
 _GROUP_FOLDER = re.compile(r"(?:layers_(\d+))?_?(?:dim_(\d+))?")
 
@@ -79,6 +79,52 @@ def write_run_report(workdir) -> list[str]:
         lock.release()
 
 
+USAGE = "usage: python -m resconv_jax.experiments.report WORKDIR (a run's folder, from main)"
+
+
+def _not_a_run(workdir: epath.Path) -> str | None:
+    """Why `workdir` is not a run folder that a report can be written for, or None."""
+    if not workdir.exists():
+        return f"{workdir}: no such folder"
+    if not workdir.is_dir():
+        return f"{workdir}: is a file, not a run's folder"
+    if (workdir / "REPORT.md").exists() or (workdir / "reproduce.json").exists():
+        names = sorted(p.name for p in workdir.iterdir() if (p / CONFIG_FILE).exists())
+        return (
+            f"{workdir}: is a reproduce folder (its REPORT.md is written by reproduce); "
+            f"report one of its runs: {', '.join(names) or 'none yet'}"
+        )
+    if not (workdir / METRICS_FILE).exists():
+        return f"{workdir}: not a run's folder (no {METRICS_FILE}; main writes one)"
+    if not read_metrics(workdir):
+        return f"{workdir / METRICS_FILE}: holds no valid metrics line"
+    return None
+
+
+def main(argv: list[str]) -> int:
+    """The command line: one line and exit status 2 for bad input, 3 for a busy workdir (as
+    main's); 0 with the tables printed."""
+    if len(argv) == 2 and argv[1] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    if len(argv) != 2:
+        print(f"error: {USAGE}", file=sys.stderr)
+        return 2
+    workdir = wd.path(argv[1])
+    problem = _not_a_run(workdir)
+    try:
+        if problem is None:
+            for table in write_run_report(workdir):
+                print(table)
+            return 0
+    except WorkdirBusy as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 3
+    except (ValueError, KeyError, TypeError) as error:  # ConfigError, or lines of another kind
+        problem = f"{workdir}: cannot report this run ({type(error).__name__}: {error})"
+    print(f"error: {problem}", file=sys.stderr)
+    return 2
+
+
 if __name__ == "__main__":
-    for table in write_run_report(sys.argv[1]):
-        print(table)
+    sys.exit(main(sys.argv))

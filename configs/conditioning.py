@@ -20,11 +20,11 @@ d = 4·P·M), 3000 steps; 11 β × 5 seeds × 3 widths = 165 runs. `:small` (for
 `python -m resconv_jax.reproduce --scale=small`): 5 β × 3 seeds × d ∈ {P·M, 2·P·M}, 1500 steps.
 """
 
-from resconv_jax.config_defaults import theory_regime_config
+from resconv_jax.config_defaults import theory_regime_config, variants
 
 
 def get_config(arg=None):
-    small = arg == "small"
+    small = "small" in variants(arg, "configs/conditioning.py", ("small",))
     config = theory_regime_config(64)  # d = P·M; each width of sweep.dim replaces it
     config.optim.lr = 2e-4
     config.train.num_steps = 1500 if small else 3000

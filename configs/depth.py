@@ -22,14 +22,12 @@ only (without residuals these branches shrink the signal, and λ_max(K) grows so
 steps, seeds {0, 1}; `:small,branches` combines both.
 """
 
-from resconv_jax.config_defaults import theory_regime_config
+from resconv_jax.config_defaults import theory_regime_config, variants
 
 
 def get_config(arg=None):
-    variants = set(arg.split(",")) if arg else set()
-    if variants - {"small", "branches"}:
-        raise ValueError(f"configs/depth.py: unknown variant {arg!r} (small, branches)")
-    small = "small" in variants
+    chosen = variants(arg, "configs/depth.py", ("small", "branches"))
+    small = "small" in chosen
     config = theory_regime_config(128)  # d = 2·P·M
     config.optim.lr_rule = "lambda_max"  # η = lr_factor / λ_max(K) per run, at initialization
     config.optim.lr_factor = 0.5  # 1.0 diverged at L = 8, β = 0 (λ_max grows during training)
@@ -39,7 +37,7 @@ def get_config(arg=None):
     config.sweep.num_layers = (1, 2, 4, 8)
     config.sweep.beta = (0.0, 1.0)
     config.sweep.seed = (0, 1) if small else (0, 1, 2)
-    if "branches" in variants:
+    if "branches" in chosen:
         config.model.v_scale = 0.3
         config.model.mlp_scale = 0.3
         config.model.dtype = "float64"

@@ -24,11 +24,12 @@ about 2,040 windows of 24 h; scale η down ~8× with the sum loss), more steps
 Each β can be set on its own: `--config.sweep.beta="()" --config.sweep.beta_attn="(0.0,1.0)"`.
 """
 
-from resconv_jax.config_defaults import base_config
+from resconv_jax.config_defaults import base_config, variants
 from resconv_jax.data.jena import default_jena_config
 
 
 def get_config(arg=None):
+    variants(arg, "configs/jena.py")  # none: refuses any
     config = base_config()
     config.data = default_jena_config()  # source, path, seq_len M, num_train P, ... (see jena.py)
     config.data.name = "jena"

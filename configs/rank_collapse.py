@@ -25,10 +25,11 @@ below (Z = Attn(X) + X, β_a = 1). The seed, sweep, optim and train sections are
 
 import ml_collections
 
-from resconv_jax.config_defaults import base_config
+from resconv_jax.config_defaults import base_config, variants
 
 
 def get_config(arg=None):
+    variants(arg, "configs/rank_collapse.py")  # none: refuses any
     config = base_config()
     config.task = "rank_collapse"
     config.data.name = "synthetic"  # Gaussian X_p ~ N(0, 1)^{M×d}; targets are not used

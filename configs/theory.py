@@ -22,10 +22,11 @@ instead gives each run η = lr_factor / λ_max(K) at its own initialization.
 loss floor (β = 1 down to ~1e-28; the same initial weights; 18–22 s instead of 15 s).
 """
 
-from resconv_jax.config_defaults import theory_regime_config
+from resconv_jax.config_defaults import theory_regime_config, variants
 
 
 def get_config(arg=None):
+    variants(arg, "configs/theory.py")  # none: refuses any
     config = theory_regime_config(64)  # d = P·M
     config.optim.lr = 4e-4  # <= 1/λ_max(K) at init for every β (see docstring)
     config.train.num_steps = 2000

@@ -3,10 +3,11 @@
 python -m resconv_jax.main --config=configs/tiny.py --workdir=/tmp/tiny
 """
 
-from resconv_jax.config_defaults import base_config
+from resconv_jax.config_defaults import base_config, variants
 
 
 def get_config(arg=None):
+    variants(arg, "configs/tiny.py")  # none: refuses any
     config = base_config()
     config.model.d_qk = 4
     config.model.d_h = 16

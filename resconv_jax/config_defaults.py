@@ -135,6 +135,18 @@ def theory_regime_config(dim: int) -> ml_collections.ConfigDict:
     return c
 
 
+def variants(arg: str | None, config_file: str, allowed: tuple[str, ...] = ()) -> set[str]:
+    """The comma-separated variants of `configs/FILE.py:arg`, each one of `allowed`; ValueError
+    (one line naming the file and what it offers) for any other, so a misspelt variant never
+    trains the default."""
+    chosen = set(arg.split(",")) if arg else set()
+    unknown = sorted(chosen - set(allowed))
+    if unknown:
+        offered = f"its variants: {', '.join(allowed)}" if allowed else "it has no variants"
+        raise ValueError(f"{config_file}: unknown variant {unknown[0]!r} ({offered})")
+    return chosen
+
+
 def load_config_file(path: str, arg: str | None = None, **overrides) -> ml_collections.ConfigDict:
     """`get_config(arg)` of the config file at `path` (`configs/x.py:arg` on the command line),
     with dotted-key `overrides`.

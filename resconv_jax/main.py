@@ -36,7 +36,7 @@ from ml_collections import config_flags  # noqa: E402
 
 from resconv_jax import experiments, multihost, train  # noqa: E402
 from resconv_jax.analysis.summary import format_summary  # noqa: E402
-from resconv_jax.validation import ConfigError, wants_float64  # noqa: E402
+from resconv_jax.validation import ConfigError, check_sections, wants_float64  # noqa: E402
 from resconv_jax.workdir import WorkdirBusy, WorkdirWriteError  # noqa: E402
 
 EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_BUSY, EXIT_WRITE_FAILED, EXIT_LOST_PROCESS = 1, 2, 3, 4, 5
@@ -108,7 +108,13 @@ def parse_flags(argv: list[str]) -> list[str]:
         _check_config_file(path)
     try:
         return flags.FLAGS(argv)
-    except (flags.Error, AttributeError, KeyError, TypeError) as error:
+    except flags.Error as error:
+        text = str(error).strip()
+        if "Traceback (most recent call last)" in text:  # get_config() raised: its last line
+            reason = text.splitlines()[-1].strip()
+            _fail(f"--config={path}: loading it failed ({_one_line(reason)})", EXIT_BAD_INPUT)
+        _fail(f"bad flag: {_one_line(error)}", EXIT_BAD_INPUT)
+    except (AttributeError, KeyError, TypeError) as error:
         _fail(f"bad flag: {_one_line(error)}", EXIT_BAD_INPUT)
     except Exception as error:  # noqa: BLE001 - the config file's own code ran and failed
         cause = error.__cause__ or error
@@ -202,6 +208,10 @@ def _main(argv: list[str]) -> None:
     except Exception as error:  # noqa: BLE001 - config_flags defers the config file's errors
         cause = error.__cause__ or error
         _fail(f"--config: loading it failed ({_one_line(cause)})", EXIT_BAD_INPUT)
+    try:
+        check_sections(config)
+    except ConfigError as error:
+        _fail(str(error), EXIT_BAD_INPUT)
     if wants_float64(config):
         jax.config.update("jax_enable_x64", True)
         print("float64 in the config: jax_enable_x64 is on", flush=True)

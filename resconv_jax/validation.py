@@ -86,8 +86,22 @@ def _check_finite(node, prefix: str = "config") -> None:
             raise ConfigError(f"{field}={tuple(value)}: must be finite")
 
 
+REQUIRED = ("task", "seed", "model", "data", "optim", "train", "sweep", "probe", "theory", "mesh")
+
+
+def check_sections(config) -> None:
+    """Raises ConfigError naming the first top-level field or section that `config` lacks."""
+    missing = [name for name in REQUIRED if name not in config]
+    if missing:
+        raise ConfigError(
+            f"the config has no {missing[0]!r} field or section: a config file's get_config() "
+            "starts from resconv_jax.config_defaults.base_config() and overrides values"
+        )
+
+
 def validate_config(config) -> None:
     """Raises ConfigError (one line) for the first value that cannot be run."""
+    check_sections(config)
     _check_finite(config)
     for field, allowed in CHOICES.items():
         value = _get(config, field)

@@ -15,6 +15,14 @@ from resconv_jax.workdir import WorkdirLock
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 TINY = os.path.join(ROOT, "configs", "tiny.py")
 THEORY = os.path.join(ROOT, "configs", "theory.py")
+SST2 = os.path.join(ROOT, "configs", "sst2.py")
+DEPTH = os.path.join(ROOT, "configs", "depth.py")
+NO_SECTION = """from resconv_jax.config_defaults import base_config
+def get_config():
+    config = base_config()
+    del config["train"]
+    return config
+"""
 
 
 def main(*args, cwd=ROOT):
@@ -42,10 +50,15 @@ def finish(process, timeout: float = 120) -> tuple[int, str, str]:
         (THEORY, ["--config.model.d_h=1000000000"], "d_h=1000000000) needs at least 3.3 TiB"),
         (THEORY, ["--config.model.num_layers=100000"], "num_layers=100000, runs=3,"),
         (TINY, ["--config.sweep.dim=(16,100000000)"], "d=100000000: the data set alone needs"),
+        (f"{THEORY}:bogus", [], "theory.py: unknown variant bogus (it has no variants)"),
+        (f"{SST2}:bogus", [], "sst2.py: unknown variant bogus (its variants: random_small)"),
+        (f"{DEPTH}:small,bogus", [], "unknown variant bogus (its variants: small, branches)"),
+        ("nosection.py", [], "the config has no 'train' field or section"),
     ],
 )
 def test_bad_input_is_one_line_status_2_nothing_written(tmp_path, config_file, extra, expected):
     (tmp_path / "raises.py").write_text("def get_config():\n    raise RuntimeError('boom')\n")
+    (tmp_path / "nosection.py").write_text(NO_SECTION)
     workdir = tmp_path / "w"
     process = main(f"--config={config_file}", f"--workdir={workdir}", *extra, cwd=tmp_path)
     status, _, err = finish(process)

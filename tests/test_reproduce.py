@@ -208,7 +208,7 @@ def _edit_loss(path, line_number: int) -> None:
     path.write_text("".join(lines))
 
 
-@pytest.mark.parametrize("damage", ["truncate", "edit_middle", "edit_last"])
+@pytest.mark.parametrize("damage", ["truncate", "edit_middle", "edit_last", "garbage_summary"])
 def test_a_damaged_finished_run_is_resumed_not_reused(tmp_path, damage):
     from resconv_jax.experiments import reproduce
 
@@ -219,7 +219,9 @@ def test_a_damaged_finished_run_is_resumed_not_reused(tmp_path, damage):
     assert reproduce.run_experiment(experiment, str(tmp_path), {}).status == "reused"
     metrics, summary = tmp_path / "tiny" / "metrics.jsonl", tmp_path / "tiny" / "summary.json"
     good_metrics, good_summary = metrics.read_bytes(), summary.read_bytes()
-    if damage == "truncate":
+    if damage == "garbage_summary":
+        summary.write_text("{garbage")
+    elif damage == "truncate":
         with open(metrics, "r+b") as f:
             f.truncate(len(good_metrics) // 2)
     else:

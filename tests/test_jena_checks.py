@@ -62,7 +62,36 @@ def test_absurd_standardized_values_after_train_are_refused(tmp_path: Path):
         load_jena(file_cfg(path))
     msg = str(info.value)
     assert "tiny_std.csv: line 172: " in msg and "\n" not in msg
-    assert "'wv (m/s)'" in msg and "val split" in msg
+    assert "'wv (m/s)' = 80 is" in msg and "an error value" in msg
+
+
+@pytest.mark.parametrize(
+    "row, column, value, expected",
+    [
+        (10, 1, -9999.0, "'T (degC)' = -9999 is the station's error code -9999"),
+        (10, 1, 1e300, "'T (degC)' = 1e+300 is"),
+        (150, 0, 5e6, "'p (mbar)' = 5e+06 is"),
+        (20, 1, float("inf"), "non-finite value inf in 'T (degC)'"),
+    ],
+)
+def test_error_values_are_refused_in_every_split(tmp_path: Path, row, column, value, expected):
+    """The train split too (its statistics would absorb the value), naming the line."""
+    values = sample_values(200)
+    values[row, column] = value
+    path = write(tmp_path / "error.csv", csv_text(values))
+    with pytest.raises(JenaDataError) as info:
+        load_jena(file_cfg(path))
+    msg = str(info.value)
+    assert msg.startswith(f"{path}: line {row + 2}: ") and "\n" not in msg
+    assert expected in msg, msg
+
+
+def test_the_wind_error_code_is_read_as_calm(tmp_path: Path):
+    values = sample_values(200)
+    values[10, 2] = -9999.0
+    path = write(tmp_path / "wind.csv", csv_text(values))
+    splits = load_jena(file_cfg(path))
+    assert np.isfinite(splits.x_train).all() and np.abs(splits.x_train).max() < 10
 
 
 def test_duplicate_ten_minute_record_is_reported_and_hours_stay_on_clock(tmp_path: Path):

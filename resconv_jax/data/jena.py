@@ -66,6 +66,9 @@ SOURCES = ("bundled", "file", "download", "tfds")
 _WIND_SENTINEL = -9990.0  # wind speeds at or below this are the station's -9999 error code
 _FLAT_RTOL = 1e-6  # train std <= _FLAT_RTOL * (|mean| + 1): (near-)constant, not standardized
 _MAX_ABS_Z = 1e3  # a standardized val/test value beyond this means the train std is far too small
+# A value this many robust stds (1.4826 × the median absolute deviation, at least 0.1 × the std)
+# from its column's median, in any split, is an error value: the 2009-2016 record's largest is 10.
+_MAX_ROBUST_Z = 100.0
 _LISTED = 3  # how many line numbers a summary lists
 
 
@@ -306,6 +309,39 @@ def _check_scaled(name: str, names: list[str], z: np.ndarray, lines: np.ndarray,
             )
 
 
+def _check_values(name: str, table: JenaTable, values: np.ndarray, columns: list[str]) -> None:
+    """Refuse, in every split alike, an error value in `columns` of `values` ((N, k), wind
+    errors already set to 0): a non-finite value, the station's -9999 error code outside the
+    wind columns, or a value beyond `_MAX_ROBUST_Z` robust stds of its column; one line naming
+    the file's line and the column."""
+    for column in columns:
+        j = table.columns.index(column)
+        x = values[:, j]
+        median = np.median(x) if np.isfinite(x).all() else np.nan
+        with np.errstate(over="ignore", invalid="ignore"):
+            std = np.std(x)
+        # Robust, and not below a tenth of the std: a column that is nearly constant over most
+        # rows (MAD ~ 0) is not an error where it varies.
+        scale = max(1.4826 * np.median(np.abs(x - median)), 0.1 * std if np.isfinite(std) else 0)
+        if not scale > 0:
+            scale = np.inf
+        checks = (
+            (~np.isfinite(x), "is not a finite number"),
+            (x <= _WIND_SENTINEL, "is the station's error code -9999 (remove or fill the row)"),
+            (np.abs(x - median) > _MAX_ROBUST_Z * scale, None),
+        )
+        for bad, reason in checks:
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                reason = reason or (
+                    f"is {abs(x[i] - median) / scale:.3g} robust stds from the column's median "
+                    f"{median:.4g} (more than {_MAX_ROBUST_Z:g}: an error value)"
+                )
+                raise JenaDataError(
+                    f"{name}: line {table.lines[i]}: {column!r} = {x[i]:.6g} {reason}"
+                )
+
+
 def _windows(z: np.ndarray, t: np.ndarray, m: int, stride: int, count: int):
     """X (count, m, d) = z[s : s+m], Y (count, m, 1) = t[s+m : s+2m], s = p * stride."""
     idx = np.arange(count)[:, None] * stride + np.arange(m)[None, :]
@@ -352,6 +388,7 @@ def make_splits(table: JenaTable, cfg: Any, source: str = "") -> JenaSplits:
         if col in table.columns:
             j = table.columns.index(col)
             values[values[:, j] <= _WIND_SENTINEL, j] = 0.0
+    _check_values(name, table, values, list(dict.fromkeys([*features, TARGET_COLUMN])))
     n = len(table)
     n_train, n_val = n * 7 // 10, n * 2 // 10
     bounds = {

@@ -249,6 +249,19 @@ def test_checkpoint_errors_name_every_bad_key(tmp_path, tensors):
     assert "transformer.h.1.attn.c_attn.weight (48, 16) (model (16, 48))" in message
 
 
+def test_n_layer_is_checked_against_the_blocks_in_the_file(tmp_path, tensors):
+    """Even blocks that the truncation does not read: the config must describe the file."""
+    config = HF_CONFIG | {"n_layer": TINY["n_layer"] + 1}
+    with pytest.raises(weights.WeightsError, match=r"has n_layer=4, the file holds blocks 0, 1, 2"):
+        load(save_checkpoint(tmp_path, tensors, config=config), num_layers=2)
+
+
+def test_n_head_that_does_not_divide_n_embd_is_refused(tmp_path, tensors):
+    config = HF_CONFIG | {"n_head": 5}
+    with pytest.raises(weights.WeightsError, match="n_embd=16 is not a multiple of n_head=5"):
+        load(save_checkpoint(tmp_path, tensors, config=config), num_layers=2)
+
+
 def test_blocks_beyond_the_truncation_are_not_read(tmp_path, tensors):
     bad = dict(tensors)
     bad["h.2.mlp.c_fc.weight"] = np.zeros((3, 3), np.float32)

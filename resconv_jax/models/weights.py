@@ -251,6 +251,14 @@ def _match_keys(
         for kind, keys in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong))
         if keys
     ]
+    blocks = {
+        int(match.group(1))
+        for key in file_shapes
+        if (match := _BLOCK_PATH.match(key.removeprefix("transformer.")))
+    }
+    if blocks != set(range(cfg.n_layer)):
+        held = f"blocks {_listing([str(i) for i in sorted(blocks)])}" if blocks else "no block"
+        problems.append(f"{CONFIG_FILE} has n_layer={cfg.n_layer}, the file holds {held}")
     if problems:
         raise WeightsError(
             f"GPT-2 weights {path} do not fit the model ({_describe(cfg)}): {'; '.join(problems)}"

@@ -45,6 +45,7 @@ from resconv_jax.metrics import (
     valid_prefix,
 )
 from resconv_jax.models import Model, build_model
+from resconv_jax.models.weights import find_weights
 from resconv_jax.runners import ChunkRunners, check_runs_per_chunk
 from resconv_jax.step import (
     init_opt_state,
@@ -172,6 +173,8 @@ def run(config, workdir: str) -> list[dict]:
         if synthetic:  # from the config's shapes, before anything is drawn
             memory.check_synthetic_data(config.data, max(config.sweep.dim, default=0))
             _check_model_size(config, None)
+        if config.model.name == "gpt2" and config.model.weights != "random":
+            find_weights(config.model.weights)  # missing weights: one line, before any other
         dataset = load_dataset(config)
         if not synthetic:
             _check_model_size(config, dataset)

@@ -1,6 +1,7 @@
 """GPT-2 against an independent NumPy implementation of Hugging Face's equations; the loader."""
 
 import json
+import os
 import time
 
 import huggingface_hub
@@ -350,6 +351,27 @@ def test_hub_id_without_network_fails_at_once(empty_hub_cache, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HUGGINGFACE_CO_URL_TEMPLATE", template)
     message = hub_error_in_seconds("openai-community/gpt2")
     assert "could not be found offline" in message and "unreachable" in message
+
+
+def test_a_hub_that_never_answers_fails_within_seconds(empty_hub_cache, monkeypatch):
+    """A resolver or connection that hangs (no network, a firewall that drops packets)."""
+    offline(monkeypatch, False)
+    monkeypatch.setattr(weights.socket, "create_connection", lambda *a, **k: time.sleep(30))
+    message = hub_error_in_seconds("openai-community/gpt2")
+    assert "unreachable (no answer from huggingface.co within 3 s)" in message
+
+
+def test_missing_weights_stop_a_run_in_one_line_before_it_prints(
+    empty_hub_cache, monkeypatch, tmp_path, capsys
+):
+    from resconv_jax import train
+    from resconv_jax.config_defaults import load_config_file
+
+    offline(monkeypatch, True)
+    config = load_config_file(os.path.join(os.path.dirname(__file__), "..", "configs", "sst2.py"))
+    with pytest.raises(weights.WeightsNotFound):
+        train.run(config, str(tmp_path / "w"))
+    assert capsys.readouterr().out == "" and not (tmp_path / "w").exists()
 
 
 def test_hub_id_is_read_from_the_cache_offline(empty_hub_cache, monkeypatch, folders):

@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import json
 import re
+import socket
+import threading
+import urllib.parse
 from pathlib import Path
 
 import huggingface_hub
@@ -87,8 +90,38 @@ def load_gpt2(
         graphdef, params = gpt2.init_params(cfg, seed)
         logging.info("GPT-2 %s: random init from seed %d", _describe(cfg), seed)
         return cfg, graphdef, params
-    folder = _local_folder(source) or _hub_folder(source, cache_dir)
-    return _load_folder(folder, num_layers, num_classes, seed, shape, dtype)
+    return _load_folder(
+        find_weights(source, cache_dir), num_layers, num_classes, seed, shape, dtype
+    )
+
+
+def find_weights(source: str, cache_dir: str | None = None) -> Path:
+    """The folder of GPT-2 weights `source` (a folder, or a hub id: its cache snapshot, else
+    downloaded when the hub answers within HUB_TIMEOUT_S). WeightsNotFound when it is in neither
+    place, WeightsError for a bad name."""
+    return _local_folder(source) or _hub_folder(source, cache_dir)
+
+
+HUB_TIMEOUT_S = 3.0
+
+
+def _hub_unreachable(timeout: float = HUB_TIMEOUT_S) -> str | None:
+    """Why the hub cannot be reached (a name that does not resolve, a refused or unanswered
+    connection within `timeout` seconds, DNS included), or None when a connection opens."""
+    host = urllib.parse.urlparse(huggingface_hub.constants.ENDPOINT).hostname or ""
+    outcome: list[str | None] = []
+
+    def connect() -> None:
+        try:
+            socket.create_connection((host, 443), timeout=timeout).close()
+            outcome.append(None)
+        except OSError as error:
+            outcome.append(f"{type(error).__name__}: {_one_line(error)}")
+
+    thread = threading.Thread(target=connect, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return outcome[0] if outcome else f"no answer from {host} within {timeout:g} s"
 
 
 def _checked_shape(shape: dict | None) -> dict:
@@ -134,6 +167,11 @@ def _hub_folder(repo_id: str, cache_dir: str | None) -> Path:
     use_folder = f"pass a folder with {CONFIG_FILE} and {WEIGHTS_FILE}: {FOLDER_OPTION}"
     if huggingface_hub.is_offline_mode():
         raise WeightsNotFound(f"{not_found} and HF_HUB_OFFLINE is set; {use_folder}")
+    unreachable = _hub_unreachable()
+    if unreachable:
+        raise WeightsNotFound(
+            f"{not_found} and the hub is unreachable ({unreachable}); {use_folder}"
+        )
     try:
         # One HEAD request without retries: without network this fails at once, where
         # hf_hub_download would retry for a minute.

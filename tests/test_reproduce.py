@@ -247,3 +247,19 @@ def test_a_second_reproduce_on_a_busy_folder_is_refused_at_once(tmp_path):
     assert result.stderr.strip().splitlines() == [result.stderr.strip()]
     assert f"in use by PID {os.getpid()}" in result.stderr
     assert sorted(os.listdir(tmp_path)) == [".lock"]
+
+
+def test_the_readme_block_states_each_experiments_sizes(tmp_path):
+    from resconv_jax.experiments import reproduce
+
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{reproduce.README_START}\nold\n{reproduce.README_END}\nrest\n")
+    reproduce.splice_readme(str(readme), "small", [])
+    text = readme.read_text()
+    assert text.startswith("intro\n") and text.endswith(f"{reproduce.README_END}\nrest\n")
+    assert (
+        "- `jena`: P=256 Jena windows of M=24 h, d=6, L=1; 15 runs (5 β × 3 seeds), 300 steps"
+        in text
+    )
+    assert "- `conditioning`: P=8 Gaussian samples of M=8, d={64, 128}, L=1; 30 runs" in text
+    assert "old" not in text

@@ -253,7 +253,7 @@ def test_the_readme_block_states_each_experiments_sizes(tmp_path):
     from resconv_jax.experiments import reproduce
 
     readme = tmp_path / "README.md"
-    readme.write_text(f"intro\n{reproduce.README_START}\nold\n{reproduce.README_END}\nrest\n")
+    readme.write_text(f"intro\n{reproduce.README_START}\nstale\n{reproduce.README_END}\nrest\n")
     reproduce.splice_readme(str(readme), "small", [])
     text = readme.read_text()
     assert text.startswith("intro\n") and text.endswith(f"{reproduce.README_END}\nrest\n")
@@ -262,4 +262,4 @@ def test_the_readme_block_states_each_experiments_sizes(tmp_path):
         in text
     )
     assert "- `conditioning`: P=8 Gaussian samples of M=8, d={64, 128}, L=1; 30 runs" in text
-    assert "old" not in text
+    assert "stale" not in text

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from matplotlib.lines import Line2D
 
 from resconv_jax import workdir as wd
 from resconv_jax.analysis.summary import FIT_FLOOR, fit_rate, series
@@ -79,31 +80,51 @@ def format_depth_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot_depth_sigma(history: list[dict], rows: list[dict], path) -> None:
-    """σ_min(Z) of each layer against step, one panel per depth; colour: layer, style: β."""
+def plot_depth_sigma(history: list[dict], rows: list[dict], path, eps: float) -> None:
+    """σ_min(Z) of each layer against step, one panel per depth (the first seed); colour: the
+    layer (the same in every panel), line style: β. A value at or below `eps`·σ_max(Z) of its
+    layer is zero to the probe's precision: it is drawn at that floor, as × markers."""
     depths = sorted({r["num_layers"] for r in rows})
     betas = sorted({r["beta_attn"] for r in rows})
     styles = dict(zip(betas, ["-", "--", ":", "-."] * (len(betas) // 4 + 1), strict=False))
-    fig, axes = plt.subplots(1, len(depths), figsize=(3.6 * len(depths), 3.8), squeeze=False)
+    colors = plt.cm.plasma(np.linspace(0, 0.85, max(depths)))
+    fig, axes = plt.subplots(1, len(depths), figsize=(3.3 * len(depths) + 1.6, 3.6), squeeze=False)
+    floored = False
     for ax, layers in zip(axes[0], depths, strict=True):
-        colors = plt.cm.plasma(np.linspace(0, 0.85, layers))
         for row in (r for r in rows if r["num_layers"] == layers and r["seed"] == rows[0]["seed"]):
-            for layer, color in enumerate(colors):
+            for layer in range(layers):
                 steps, values = series(history, row["run"], f"layer{layer}/z/sigma_min")
-                label = f"layer {layer}, β={row['beta_attn']:g}"
-                ax.semilogy(steps, values, styles[row["beta_attn"]], color=color, label=label)
+                top = series(history, row["run"], f"layer{layer}/z/sigma_max")[1]
+                floor = eps * top if top.size == values.size else np.zeros_like(values)
+                low = values <= floor
+                shown = np.where(low, floor, values)
+                ax.semilogy(steps, shown, styles[row["beta_attn"]], color=colors[layer])
+                if low.any():
+                    floored = True
+                    ax.semilogy(steps[low], shown[low], "x", color=colors[layer], ms=4)
         ax.set(xlabel="step", ylabel="σ_min(Z) of the layer", title=f"L = {layers}")
-        ax.legend(fontsize=6)
-    fig.suptitle(f"Per-layer σ_min(Z), seed {rows[0]['seed']} (line style: β)", fontsize=10)
-    fig.tight_layout()
+    floor_note = ""
+    if floored:
+        floor_note = (
+            f"; ×: at or below {eps:.1g}·σ_max(Z) of the layer (0 to the probe's precision)"
+        )
+    handles = [Line2D([], [], color=colors[i], label=f"layer {i}") for i in range(max(depths))]
+    handles += [Line2D([], [], color="0.3", ls=styles[b], label=f"β={b:g}") for b in betas]
+    fig.legend(handles=handles, fontsize=8, loc="center right")
+    fig.suptitle(f"Per-layer σ_min(Z), seed {rows[0]['seed']}{floor_note}", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1 - 1.4 / fig.get_figwidth(), 1))
     save_figure(fig, path)
 
 
-def write_depth_report(workdir, history: list[dict], floor: float) -> str:
-    """depth_runs.csv and depth_sigma.png in `workdir`; the printed table."""
+def write_depth_report(
+    workdir, history: list[dict], floor: float, probe_dtype: str = "float32"
+) -> str:
+    """depth_runs.csv and depth_sigma.png in `workdir`; the printed table. `probe_dtype`: the
+    probe's, whose epsilon sets the figure's precision floor."""
     workdir = wd.path(workdir)
     rows = depth_rows(history, floor)
     write_csv(workdir / "depth_runs.csv", rows)
     if any("layer0/z/sigma_min" in line for line in history):
-        plot_depth_sigma(history, rows, workdir / "depth_sigma.png")
+        eps = float(np.finfo(probe_dtype).eps)
+        plot_depth_sigma(history, rows, workdir / "depth_sigma.png", eps)
     return format_depth_table(rows)

@@ -75,23 +75,31 @@ def _training_figure(history: list[dict]):
             style |= {"marker": SEED_MARKERS[seeds.index(run["seed"])], "ms": 4}
             style["markevery"] = (offset, every)
         ax_loss.semilogy(*series(history, run["run"], "loss"), **style)
-        for key, line in (("layer0/z/sigma_min", "-"), ("layer0/attn/sigma_min", ":")):
-            steps, values = series(history, run["run"], key)
-            if values.size:
-                ax_sigma.semilogy(steps, values, linestyle=line, **style)
+        if len(seeds) == 1:
+            for key, line in (("layer0/z/sigma_min", "-"), ("layer0/attn/sigma_min", ":")):
+                steps, values = series(history, run["run"], key)
+                if values.size:
+                    ax_sigma.semilogy(steps, values, linestyle=line, **style)
+    if len(seeds) > 1:
+        _sigma_summary(ax_sigma, history, runs, colors)
     beta_handles = [
         Line2D([], [], color=color, lw=2, label=_beta_label(run))
         for key, color in colors.items()
         for run in [next(r for r in runs if _group_key(r) == key)]
     ]
-    legend = ax_loss.legend(handles=beta_handles, fontsize=8, title="colour", loc="upper right")
+    outside = len(beta_handles) > 4  # beside the panels, so that no legend covers a curve
+    if outside:
+        fig.legend(handles=beta_handles, fontsize=8, title="colour", loc="center right")
+    else:
+        ax_loss.add_artist(
+            ax_loss.legend(handles=beta_handles, fontsize=8, title="colour", loc="upper right")
+        )
     if marked:
         seed_handles = [
             Line2D([], [], color="0.3", lw=0, marker=m, label=f"seed {s}")
             for m, s in zip(SEED_MARKERS, seeds, strict=False)
         ]
-        ax_loss.add_artist(legend)
-        ax_loss.legend(handles=seed_handles, fontsize=8, title="marker", loc="center right")
+        ax_loss.legend(handles=seed_handles, fontsize=8, title="marker", loc="lower left")
     title = "Training loss per run"
     if len(seeds) > 1:
         title += f" ({len(seeds)} seeds: " + ("thin lines)" if thin else "markers)")
@@ -102,13 +110,27 @@ def _training_figure(history: list[dict]):
             Line2D([], [], color="0.3", ls=":", label="σ_min(Attn(X)) (= σ_min(Z) at β_a = 0)"),
         ]
         ax_sigma.legend(handles=style_handles, fontsize=8, loc="best")
-    ax_sigma.set(
-        xlabel="step",
-        ylabel="σ_min, layer 0 (log scale)",
-        title="Smallest singular value of Z and of Attn(X), layer 0",
-    )
-    fig.tight_layout()
+    summary = f": median of {len(seeds)} seeds, band min–max" if len(seeds) > 1 else ""
+    ax_sigma.set(xlabel="step", ylabel="σ_min, layer 0 (log scale)")
+    ax_sigma.set_title(f"σ_min of Z and of Attn(X), layer 0{summary}", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 0.86, 1) if outside else (0, 0, 1, 1))
     return fig
+
+
+def _sigma_summary(ax, history: list[dict], runs: list[dict], colors: dict) -> None:
+    """Per β group: the median over its runs (seeds) of σ_min(Z) (solid, with its min–max band)
+    and of σ_min(Attn(X)) (dotted), against step: one line per group, not per run."""
+    for key, color in colors.items():
+        members = [r["run"] for r in runs if _group_key(r) == key]
+        for name, line in (("layer0/z/sigma_min", "-"), ("layer0/attn/sigma_min", ":")):
+            curves = [series(history, run, name) for run in members]
+            if not curves or not curves[0][1].size:
+                continue
+            length = min(values.size for _, values in curves)
+            steps, values = curves[0][0][:length], np.array([v[:length] for _, v in curves])
+            ax.semilogy(steps, np.median(values, axis=0), linestyle=line, color=color, lw=1.4)
+            if line == "-":
+                ax.fill_between(steps, values.min(0), values.max(0), color=color, alpha=0.15)
 
 
 def plot_training(history: list[dict], path: str) -> None:
@@ -118,7 +140,10 @@ def plot_training(history: list[dict], path: str) -> None:
 
 
 def steps_to_threshold(steps: np.ndarray, losses: np.ndarray, threshold: float) -> float:
-    """First logged step whose loss is at or below `threshold` (NaN if never)."""
+    """First logged step whose loss is at or below `threshold` (NaN if never, and NaN for a run
+    that starts at or below it: its count would say nothing about its descent)."""
+    if losses.size and losses[0] <= threshold:
+        return float("nan")
     below = np.flatnonzero(losses <= threshold)
     return float(steps[below[0]]) if below.size else float("nan")
 
@@ -210,7 +235,8 @@ def _loss_by_beta_figure(history: list[dict], threshold: float):
     if seeds > 1:
         note = (f"{seeds} seeds" if len(counts) == 1 else "seeds") + ": line mean, band min–max"
     else:
-        note = "one run per β"
+        shapes = [name for name in ("L", "d") if any(key[("L", "d").index(name)] for key in curves)]
+        note = f"one run per ({', '.join(shapes)}, β)" if shapes else "one run per β"
     axes[0].set_title(f"Full-batch GD by β ({note})")
     axes[0].legend(fontsize=8)
     if zoom:
@@ -227,32 +253,60 @@ def plot_loss_by_beta(history: list[dict], path: str, threshold: float = 0.0) ->
     save_figure(_loss_by_beta_figure(history, threshold), path)
 
 
-def plot_sigma_by_beta(rows: list[dict], path: str) -> None:
-    """σ_min(Z)/‖Z‖_F (layer 0) against β, at the first and the last logged step (per depth L
-    when the sweep has several)."""
-    fig, ax = plt.subplots(figsize=(5.5, 4))
+def _sigma_axis(rows: list[dict]) -> tuple[str, str, str] | None:
+    """(x key, x label, key of the lines) of `plot_sigma_by_beta`: β when the rows hold several,
+    else the swept depth or width; None when there is only one point to draw."""
+    shapes = [k for k in ("num_layers", "dim") if len({row.get(k) for row in rows}) > 1]
+    if len({row["beta_attn"] for row in rows}) > 1:
+        return "beta_attn", "β (attention residual)", "shape"
+    if shapes:
+        return shapes[0], {"num_layers": "depth L", "dim": "width d"}[shapes[0]], "beta"
+    return None
 
-    def shape(row):
+
+def plot_sigma_by_beta(rows: list[dict], path: str) -> bool:
+    """σ_min(Z)/‖Z‖_F (layer 0) at the first and the last logged step against β, one line per
+    depth L or width d; with a single β, against the swept L or d instead. Nothing is drawn
+    (False) when that leaves a single point."""
+    axis = _sigma_axis(rows)
+    if axis is None:
+        return False
+    x_key, x_label, line_key = axis
+    fig, ax = plt.subplots(figsize=(6.4, 4.8))
+
+    def line_of(row):
+        if line_key == "beta":
+            return (row["beta_attn"], row["beta_ffn"])
         return row.get("num_layers", 0), row.get("dim", 0)
 
-    for layers, dim in sorted({shape(row) for row in rows}):
-        same = [row for row in rows if shape(row) == (layers, dim)]
-        betas = [row["beta_attn"] for row in same]
-        depth = (f"L={layers}, " if layers else "") + (f"d={dim}, " if dim else "")
+    for line in sorted({line_of(row) for row in rows}):
+        same = sorted((r for r in rows if line_of(r) == line), key=lambda r: r[x_key])
+        if line_key == "beta":
+            name = _beta_label({k: v for k, v in same[0].items() if k not in ("num_layers", "dim")})
+        else:
+            name = ", ".join(f"{n}={v}" for n, v in zip(("L", "d"), line, strict=True) if v)
         for when, marker in (("start", "o"), ("end", "s")):
             key = f"z_sigma_min_over_fro_{when}"
             mean = np.array([row[key] for row in same])
             low = mean - [row[f"{key}_min"] for row in same]
             high = np.array([row[f"{key}_max"] for row in same]) - mean
-            label = f"{depth}{when} of training"
-            ax.errorbar(betas, mean, yerr=[low, high], marker=marker, capsize=3, label=label)
+            label = f"{name + ', ' if name else ''}{when} of training"
+            xs = [row[x_key] for row in same]
+            ax.errorbar(xs, mean, yerr=[low, high], marker=marker, capsize=3, label=label)
+    if x_key != "beta_attn":
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(
+            sorted({row[x_key] for row in rows}),
+            [str(v) for v in sorted({row[x_key] for row in rows})],
+        )
     several = any(row["runs"] > 1 for row in rows)
-    title = "Conditioning of Z" + (" (mean over seeds, bars min–max)" if several else "")
-    ax.set(xlabel="β (attention residual)", ylabel="σ_min(Z) / ‖Z‖_F", title=title)
+    title = "Conditioning of Z, layer 0" + (" (mean over seeds, bars min–max)" if several else "")
+    ax.set(xlabel=x_label, ylabel="σ_min(Z) / ‖Z‖_F", title=title)
     ax.set_yscale("log")
-    ax.legend()
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2, frameon=False)
     fig.tight_layout()
     save_figure(fig, path)
+    return True
 
 
 def write_reports(
@@ -265,7 +319,8 @@ def write_reports(
     if len(rows) > 1:
         plot_loss_by_beta(history, workdir / "loss_by_beta.png", threshold)
         if not np.isnan(rows[0]["z_sigma_min_over_fro_start"]):
-            plot_sigma_by_beta(rows, workdir / "sigma_by_beta.png")
+            if not plot_sigma_by_beta(rows, workdir / "sigma_by_beta.png"):
+                (workdir / "sigma_by_beta.png").unlink(missing_ok=True)
     write_csv(workdir / "beta_table.csv", rows)
     return [row | {"threshold": threshold} for row in rows]
 
@@ -282,13 +337,21 @@ def format_beta_table(rows: list[dict]) -> str:
         )
     )
     lines = [f"per-β table (threshold {rows[0]['threshold']:.4g}; means over runs):", header]
+    undefined = False
     for row in rows:
+        steps = row["steps_to_threshold"]
+        undefined |= not np.isfinite(steps)
+        steps = f"{steps:>9.0f}" if np.isfinite(steps) else f"{'-':>9}"
         lines.append(
             (f"{row['num_layers']:>4d} " if depth else "")
             + (f"{row['dim']:>5d} " if width else "")
             + f"{row['beta_attn']:>6g} {row['beta_ffn']:>6g} {row['runs']:>4d} "
             f"{row['final_loss']:>11.4e} {row['final_val_loss']:>11.4e} "
-            f"{row['steps_to_threshold']:>9.0f} {row['rate']:>9.5f} "
+            f"{steps} {row['rate']:>9.5f} "
             f"{row['z_sigma_min_over_fro_start']:>16.4g} {row['z_sigma_min_over_fro_end']:>9.4g}"
+        )
+    if undefined:
+        lines.append(
+            "steps<thr '-': a run of the row starts at or below the threshold, or never reaches it"
         )
     return "\n".join(lines)

@@ -52,7 +52,8 @@ def _write_one(workdir: epath.Path, config: dict, threshold: float, floor: float
     if len({line.get("dim") for line in history}) > 1:
         tables.append(conditioning.write_conditioning_report(workdir, history, config, floor))
     if len({line.get("num_layers") for line in history}) > 1:
-        tables.append(depth.write_depth_report(workdir, history, floor))
+        probe_dtype = config.get("probe", {}).get("dtype", "float32")
+        tables.append(depth.write_depth_report(workdir, history, floor, probe_dtype))
     if any("error" in line for line in history):
         accuracy = classification.write_classification_report(workdir, history)
         tables.append(classification.format_accuracy_table(accuracy))

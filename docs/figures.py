@@ -72,7 +72,7 @@ def main(argv: list[str]) -> int:
     from resconv_jax.workdir import json_safe
 
     root = Path(args.workdir)
-    record = {}
+    record, code = {}, code_version()  # before the copies below change the tree
     for config_file in sorted({config for config, _ in FIGURES.values()}):
         _run(config_file, root / Path(config_file).stem)
     for name, (config_file, figure) in FIGURES.items():
@@ -82,7 +82,7 @@ def main(argv: list[str]) -> int:
             "command": f"python -m resconv_jax.main --config=configs/{config_file} --workdir=W",
             "copied_from": f"W/{figure}",
             "sha256": sha256(DOCS / name),
-            "code": code_version(),
+            "code": code,
             "stated": stated_numbers(workdir, figure),
         }
         print(f"wrote {DOCS / name}", flush=True)

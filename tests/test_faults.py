@@ -5,6 +5,7 @@ import errno
 import glob
 import json
 import os
+import re
 import socket
 import struct
 
@@ -20,6 +21,7 @@ from resconv_jax.workdir import CONFIG_FILE, WorkdirBusy, WorkdirLock, WorkdirWr
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 TINY = os.path.join(ROOT, "configs", "tiny.py")
+CONFIGS = os.path.join(ROOT, "configs")
 STEPS = {"train.num_steps": 40, "train.checkpoint_every": 10, "train.async_checkpoints": False}
 
 
@@ -346,3 +348,38 @@ def test_divergence_names_the_last_finite_checkpoint_and_the_most_restrictive_ru
     )
     assert "2 of 3 runs diverged (first: run 1" in message and "step 0 in /ckpt" in message
     assert "run 1, has 2/lambda_max(K) = 0.02" in message and "--config.optim.lr=0.01" in message
+
+
+@pytest.mark.parametrize(
+    "config_file, overrides, expected",
+    [
+        ("theory.py", {"data.dim": 10_000_000}, "(num_samples=8, seq_len=8, d=10000000,"),
+        ("theory.py", {"model.num_layers": 100_000}, "num_layers=100000, runs=3,"),
+        ("tiny.py", {"sweep.dim": (16, 100_000_000)}, "d=100000000: the data set alone needs"),
+    ],
+)
+def test_sizes_that_cannot_fit_are_refused_from_the_shapes(
+    tmp_path, config_file, overrides, expected
+):
+    """Before anything is built or drawn (these hung for minutes or crashed XLA)."""
+    config = load_config_file(os.path.join(CONFIGS, config_file), **overrides)
+    with pytest.raises(ConfigError) as error:
+        train.run(config, str(tmp_path / "w"))
+    assert expected in str(error.value) and "\n" not in str(error.value)
+    assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("sst2.py:bogus", "sst2.py: unknown variant 'bogus' (its variants: random_small)"),
+        ("depth.py:small,bogus", "unknown variant 'bogus' (its variants: small, branches)"),
+        ("jena.py:full", "jena.py: unknown variant 'full' (it has no variants)"),
+        ("rank_collapse.py:x", "rank_collapse.py: unknown variant 'x' (it has no variants)"),
+        ("conditioning.py:smal", "unknown variant 'smal' (its variants: small)"),
+    ],
+)
+def test_every_config_file_refuses_an_unknown_variant(spec, expected):
+    path, arg = spec.split(":")
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        load_config_file(os.path.join(CONFIGS, path), arg)

@@ -15,8 +15,6 @@ from resconv_jax.workdir import WorkdirLock
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 TINY = os.path.join(ROOT, "configs", "tiny.py")
 THEORY = os.path.join(ROOT, "configs", "theory.py")
-SST2 = os.path.join(ROOT, "configs", "sst2.py")
-DEPTH = os.path.join(ROOT, "configs", "depth.py")
 NO_SECTION = """from resconv_jax.config_defaults import base_config
 def get_config():
     config = base_config()
@@ -46,13 +44,8 @@ def finish(process, timeout: float = 120) -> tuple[int, str, str]:
         ("raises.py", ["--config.optim.lr=1"], "loading it failed (RuntimeError: boom)"),
         (TINY, ["--config.optim.lr=inf"], "config.optim.lr=inf: must be a finite number"),
         (TINY, ["--config.data.num_samples=100000000"], "the data set alone needs"),
-        (THEORY, ["--config.data.dim=10000000"], "(num_samples=8, seq_len=8, d=10000000,"),
         (THEORY, ["--config.model.d_h=1000000000"], "d_h=1000000000) needs at least 3.3 TiB"),
-        (THEORY, ["--config.model.num_layers=100000"], "num_layers=100000, runs=3,"),
-        (TINY, ["--config.sweep.dim=(16,100000000)"], "d=100000000: the data set alone needs"),
         (f"{THEORY}:bogus", [], "theory.py: unknown variant bogus (it has no variants)"),
-        (f"{SST2}:bogus", [], "sst2.py: unknown variant bogus (its variants: random_small)"),
-        (f"{DEPTH}:small,bogus", [], "unknown variant bogus (its variants: small, branches)"),
         ("nosection.py", [], "the config has no 'train' field or section"),
     ],
 )
@@ -156,12 +149,11 @@ def test_an_unreadable_checkpoint_is_one_line_and_no_traceback(tmp_path):
     assert "Traceback" not in err and "Exception ignored" not in err, err
 
 
-@pytest.mark.parametrize("use_async", [True, False])
-def test_a_failed_first_checkpoint_save_exits_4_promptly(tmp_path, use_async):
-    """`checkpoints` is a file: the first save fails; the process must not hang on Orbax's
-    threads after its one line."""
+def test_a_failed_first_checkpoint_save_exits_4_promptly(tmp_path):
+    """`checkpoints` is a file: the first (background) save fails; the process must not hang on
+    Orbax's threads after its one line."""
     tmp_path.joinpath("checkpoints").write_text("")
-    flags = ["--config.train.num_steps=40", f"--config.train.async_checkpoints={use_async}"]
+    flags = ["--config.train.num_steps=40"]
     status, _, err = finish(main(f"--config={TINY}", f"--workdir={tmp_path}", *flags), timeout=60)
     assert status == 4, err
     assert err.strip().splitlines() == [err.strip()]

@@ -208,8 +208,7 @@ def _edit_loss(path, line_number: int) -> None:
     path.write_text("".join(lines))
 
 
-@pytest.mark.parametrize("damage", ["truncate", "edit_middle", "edit_last", "garbage_summary"])
-def test_a_damaged_finished_run_is_resumed_not_reused(tmp_path, damage):
+def test_a_damaged_finished_run_is_resumed_not_reused(tmp_path):
     from resconv_jax.experiments import reproduce
 
     overrides = {"train.num_steps": 20, "train.checkpoint_every": 10, "sweep.beta": (0.0, 1.0),
@@ -219,16 +218,18 @@ def test_a_damaged_finished_run_is_resumed_not_reused(tmp_path, damage):
     assert reproduce.run_experiment(experiment, str(tmp_path), {}).status == "reused"
     metrics, summary = tmp_path / "tiny" / "metrics.jsonl", tmp_path / "tiny" / "summary.json"
     good_metrics, good_summary = metrics.read_bytes(), summary.read_bytes()
-    if damage == "garbage_summary":
-        summary.write_text("{garbage")
-    elif damage == "truncate":
-        with open(metrics, "r+b") as f:
-            f.truncate(len(good_metrics) // 2)
-    else:
-        _edit_loss(metrics, 2 if damage == "edit_middle" else -1)
-    outcome = reproduce.run_experiment(experiment, str(tmp_path), {})
-    assert outcome.status == "resumed" and outcome.reason.startswith("not reusable: ")
-    assert metrics.read_bytes() == good_metrics and summary.read_bytes() == good_summary
+    damages = {
+        "a torn metrics.jsonl": lambda: metrics.write_bytes(good_metrics[: len(good_metrics) // 2]),
+        "a loss edited in place": lambda: _edit_loss(metrics, 2),
+        "the last line edited": lambda: _edit_loss(metrics, -1),
+        "a garbage summary.json": lambda: summary.write_text("{garbage"),
+    }
+    for damage, apply in damages.items():
+        apply()
+        outcome = reproduce.run_experiment(experiment, str(tmp_path), {})
+        assert outcome.status == "resumed", damage
+        assert outcome.reason.startswith("not reusable: "), damage
+        assert metrics.read_bytes() == good_metrics and summary.read_bytes() == good_summary
     assert reproduce.run_experiment(experiment, str(tmp_path), {}).status == "reused"
 
 

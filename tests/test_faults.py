@@ -354,6 +354,7 @@ def test_divergence_names_the_last_finite_checkpoint_and_the_most_restrictive_ru
     "config_file, overrides, expected",
     [
         ("theory.py", {"data.dim": 10_000_000}, "(num_samples=8, seq_len=8, d=10000000,"),
+        ("theory.py", {"model.d_h": 1_000_000_000}, "d_h=1000000000) needs at least 3.3 TiB"),
         ("theory.py", {"model.num_layers": 100_000}, "num_layers=100000, runs=3,"),
         ("tiny.py", {"sweep.dim": (16, 100_000_000)}, "d=100000000: the data set alone needs"),
     ],

@@ -233,21 +233,19 @@ def test_a_damaged_finished_run_is_resumed_not_reused(tmp_path):
     assert reproduce.run_experiment(experiment, str(tmp_path), {}).status == "reused"
 
 
-def test_a_second_reproduce_on_a_busy_folder_is_refused_at_once(tmp_path):
-    from resconv_jax.workdir import WorkdirLock
+def test_a_second_reproduce_on_a_busy_folder_is_refused_at_once(tmp_path, capsys):
+    """(`resconv_jax.reproduce` turns WorkdirBusy into its one line and exit status 3.)"""
+    from resconv_jax.experiments import reproduce
+    from resconv_jax.workdir import WorkdirBusy, WorkdirLock
 
     holder = WorkdirLock(str(tmp_path))
     holder.acquire()
     try:
-        command = [sys.executable, "-m", "resconv_jax.reproduce", f"--workdir={tmp_path}",
-                   "--scale=tiny"]  # fmt: skip
-        result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        with pytest.raises(WorkdirBusy, match=f"in use by PID {os.getpid()}"):
+            reproduce.reproduce(str(tmp_path), "tiny")
     finally:
         holder.release()
-    assert result.returncode == 3, result.stderr[-2000:]
-    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
-    assert f"in use by PID {os.getpid()}" in result.stderr
-    assert sorted(os.listdir(tmp_path)) == [".lock"]
+    assert capsys.readouterr().out == "" and sorted(os.listdir(tmp_path)) == [".lock"]
 
 
 def test_the_readme_block_states_each_experiments_sizes(tmp_path):

@@ -356,7 +356,11 @@ def test_hub_id_without_network_fails_at_once(empty_hub_cache, monkeypatch):
 def test_a_hub_that_never_answers_fails_within_seconds(empty_hub_cache, monkeypatch):
     """A resolver or connection that hangs (no network, a firewall that drops packets)."""
     offline(monkeypatch, False)
-    monkeypatch.setattr(weights.socket, "create_connection", lambda *a, **k: time.sleep(30))
+    def hang(*args, **kwargs):
+        time.sleep(30)
+        raise OSError("no answer")
+
+    monkeypatch.setattr(weights.socket, "create_connection", hang)
     message = hub_error_in_seconds("openai-community/gpt2")
     assert "unreachable (no answer from huggingface.co within 3 s)" in message
 

@@ -356,6 +356,7 @@ def test_hub_id_without_network_fails_at_once(empty_hub_cache, monkeypatch):
 def test_a_hub_that_never_answers_fails_within_seconds(empty_hub_cache, monkeypatch):
     """A resolver or connection that hangs (no network, a firewall that drops packets)."""
     offline(monkeypatch, False)
+
     def hang(*args, **kwargs):
         time.sleep(30)
         raise OSError("no answer")

@@ -21,8 +21,9 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from resconv_jax import workdir as wd
+from resconv_jax.errors import WorkdirWriteError
 from resconv_jax.multihost import to_host
-from resconv_jax.workdir import WorkdirWriteError, describe_os_error
+from resconv_jax.workdir import describe_os_error
 
 
 def _fmix32(h: jax.Array) -> jax.Array:

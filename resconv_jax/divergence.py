@@ -17,10 +17,6 @@ import numpy as np
 from resconv_jax.analysis import theory
 
 
-class TrainingDiverged(RuntimeError):
-    """A run's loss became non-finite; the message is one line saying what to do."""
-
-
 def diverging_runs(losses: np.ndarray) -> np.ndarray:
     """Indices of the runs with a non-finite loss in `losses` (steps, R)."""
     return np.flatnonzero((~np.isfinite(losses)).any(axis=0))

@@ -18,15 +18,11 @@ import numpy as np
 from resconv_jax import signals
 from resconv_jax.analysis.certificate import Kernel
 from resconv_jax.checkpoint import Checkpointer
-from resconv_jax.divergence import TrainingDiverged, diverged_message, diverging_runs
+from resconv_jax.divergence import diverged_message, diverging_runs
+from resconv_jax.errors import Preempted, TrainingDiverged, WorkdirWriteError
 from resconv_jax.metrics import progress_line
 from resconv_jax.multihost import to_host
 from resconv_jax.runners import ChunkRunners
-from resconv_jax.workdir import WorkdirWriteError
-
-
-class Preempted(RuntimeError):
-    """SIGTERM or a pod preemption: the run stopped at a safe point and can be resumed."""
 
 
 @dataclasses.dataclass

@@ -34,10 +34,16 @@ import jax  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from resconv_jax import experiments, multihost, train  # noqa: E402
+from resconv_jax import experiments, multihost  # noqa: E402
 from resconv_jax.analysis.summary import format_summary  # noqa: E402
-from resconv_jax.validation import ConfigError, check_sections, wants_float64  # noqa: E402
-from resconv_jax.workdir import WorkdirBusy, WorkdirWriteError  # noqa: E402
+from resconv_jax.errors import (  # noqa: E402
+    ConfigError,
+    Preempted,
+    TrainingDiverged,
+    WorkdirBusy,
+    WorkdirWriteError,
+)
+from resconv_jax.validation import check_sections, wants_float64  # noqa: E402
 
 EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_BUSY, EXIT_WRITE_FAILED, EXIT_LOST_PROCESS = 1, 2, 3, 4, 5
 
@@ -228,9 +234,9 @@ def _main(argv: list[str]) -> None:
         if _watchdog is not None:  # a checkpoint's collective fails when another process dies
             _watchdog.wait_for_loss()
         _fail(str(error), EXIT_WRITE_FAILED)
-    except train.TrainingDiverged as error:
+    except TrainingDiverged as error:
         _fail(str(error), EXIT_DIVERGED)
-    except train.Preempted as error:
+    except Preempted as error:
         print(str(error), flush=True)
         return
     for summary in summaries:

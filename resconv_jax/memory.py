@@ -11,7 +11,7 @@ import os
 
 import jax
 
-from resconv_jax.validation import ConfigError
+from resconv_jax.errors import ConfigError
 
 
 def format_bytes(num: float) -> str:

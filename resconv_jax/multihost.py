@@ -25,7 +25,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from resconv_jax.validation import ConfigError
+from resconv_jax.errors import ConfigError
 
 LOOPBACK_NAMES = ("localhost",)
 

@@ -17,10 +17,13 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as in main: threaded OpenB
 
 from absl import app, flags, logging  # noqa: E402
 
+from resconv_jax.errors import (  # noqa: E402
+    Preempted,  # noqa: E402
+    WorkdirBusy,
+    WorkdirWriteError,
+)
 from resconv_jax.experiments import reproduce as experiment  # noqa: E402
-from resconv_jax.loop import Preempted  # noqa: E402
 from resconv_jax.validation import check_workdir  # noqa: E402
-from resconv_jax.workdir import WorkdirBusy, WorkdirWriteError  # noqa: E402
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Folder of the experiments and REPORT.md.")
 _SCALE = flags.DEFINE_enum("scale", "small", experiment.SCALES, "Sizes: tiny, small or paper.")

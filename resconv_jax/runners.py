@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from resconv_jax import sharding
-from resconv_jax.validation import ConfigError
+from resconv_jax.errors import ConfigError
 
 # runs_per_chunk=-1: step the runs in chunks when the compiled chunk (all runs, with the probe)
 # needs more temporaries than this.

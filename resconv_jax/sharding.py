@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from resconv_jax.validation import ConfigError
+from resconv_jax.errors import ConfigError
 
 
 def make_mesh(num_runs: int, num_samples: int, mesh_cfg) -> Mesh:

@@ -33,9 +33,9 @@ from resconv_jax.analysis.certificate import (
 from resconv_jax.analysis.summary import fit_floor, run_summaries
 from resconv_jax.checkpoint import Checkpointer, checkpoint_losses_finite
 from resconv_jax.data import load_dataset
-from resconv_jax.divergence import TrainingDiverged
+from resconv_jax.errors import ConfigError, Preempted, TrainingDiverged
 from resconv_jax.finished import RUNS_FILE, SUMMARY_FILE, refuse_fewer_steps
-from resconv_jax.loop import Preempted, Program, run_loop
+from resconv_jax.loop import Program, run_loop
 from resconv_jax.metrics import (
     METRICS_FILE,
     MetricsWriter,
@@ -54,7 +54,7 @@ from resconv_jax.step import (
     make_step_functions,
 )
 from resconv_jax.sweep import expand_runs, group_config, group_folder, group_runs, run_hparams
-from resconv_jax.validation import ConfigError, check_workdir, validate_config
+from resconv_jax.validation import check_workdir, validate_config
 from resconv_jax.workdir import (
     CONFIG_FILE,
     WorkdirBusy,

@@ -7,6 +7,9 @@ import os
 
 import jax
 
+from resconv_jax import workdir as wd
+from resconv_jax.errors import ConfigError
+
 CHOICES = {
     "task": ("train", "rank_collapse"),
     "model.name": ("transformer", "gpt2"),
@@ -52,10 +55,6 @@ INT_MINIMUM = (
 FLOAT64_FIELDS = ("model.dtype", "probe.dtype")
 POSITIVE_FLOATS = ("optim.lr", "optim.lr_factor")
 NON_NEGATIVE_FLOATS = ("model.beta_attn", "model.beta_ffn")
-
-
-class ConfigError(ValueError):
-    """A config value that cannot be run."""
 
 
 def wants_float64(config) -> bool:
@@ -174,7 +173,6 @@ def check_workdir(workdir: str, *, checkpoints: bool = True) -> None:
     writes is found at the first write (exit status 4). With `checkpoints`, only gs:// is
     accepted: Orbax writes checkpoints to local folders and GCS only.
     """
-    from resconv_jax import workdir as wd  # wd imports this module
 
     if not wd.is_local(workdir):
         if checkpoints and not str(workdir).startswith("gs://"):

@@ -38,20 +38,12 @@ import time
 from etils import epath
 
 from resconv_jax.config_defaults import base_config
-from resconv_jax.validation import ConfigError
+from resconv_jax.errors import ConfigError, WorkdirBusy, WorkdirWriteError
 
 CONFIG_FILE = "config.json"
 LOCK_FILE = ".lock"
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-
-
-class WorkdirBusy(RuntimeError):
-    """Another live process holds the workdir's lock."""
-
-
-class WorkdirWriteError(RuntimeError):
-    """A write into the workdir failed (disk full, vanished, read-only); one line, no traceback."""
 
 
 def path(workdir: str | os.PathLike) -> epath.Path:

@@ -53,7 +53,7 @@ def test_a_depth_sweep_resumes_across_groups(tmp_path):
 
 def test_a_depth_sweep_refused_in_its_first_group_leaves_no_workdir(tmp_path, monkeypatch):
     from resconv_jax import memory
-    from resconv_jax.validation import ConfigError
+    from resconv_jax.errors import ConfigError
 
     monkeypatch.setattr(memory, "device_available_bytes", lambda device: 1 << 10)
     with pytest.raises(ConfigError, match="XLA's memory analysis"):
@@ -77,7 +77,8 @@ def test_a_width_sweep_equals_the_widths_run_one_at_a_time(tmp_path):
 
 
 def test_a_width_sweep_of_real_data_is_refused():
-    from resconv_jax.validation import ConfigError, validate_config
+    from resconv_jax.errors import ConfigError
+    from resconv_jax.validation import validate_config
 
     config = tiny(**{"sweep.dim": (16,), "data.name": "jena"})
     with pytest.raises(ConfigError, match="sweep.dim sweeps the width of synthetic data"):

@@ -15,9 +15,9 @@ import pytest
 from resconv_jax import train
 from resconv_jax.checkpoint import Checkpointer, checkpoint_losses_finite
 from resconv_jax.config_defaults import load_config_file
+from resconv_jax.errors import ConfigError, WorkdirBusy, WorkdirWriteError
 from resconv_jax.metrics import METRICS_FILE, TENSORBOARD_DIR
-from resconv_jax.validation import ConfigError
-from resconv_jax.workdir import CONFIG_FILE, WorkdirBusy, WorkdirLock, WorkdirWriteError
+from resconv_jax.workdir import CONFIG_FILE, WorkdirLock
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 TINY = os.path.join(ROOT, "configs", "tiny.py")

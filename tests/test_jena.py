@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from resconv_jax.data import jena
-from resconv_jax.data.jena import JenaDataError, default_jena_config, load_jena
+from resconv_jax.data.jena import default_jena_config, load_jena
 from resconv_jax.data.jena_csv import (
     JENA_COLUMNS,
     file_sha256,
@@ -20,6 +20,7 @@ from resconv_jax.data.jena_csv import (
     parse_jena_csv,
     read_csv_bytes,
 )
+from resconv_jax.errors import JenaDataError
 
 # The first two records of jena_climate_2009_2016.csv (all 14 variables).
 ORIGINAL_HEAD = (

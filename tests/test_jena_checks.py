@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from test_jena import COLS, START, csv_text, file_cfg, sample_values, write
 
-from resconv_jax.data.jena import JenaDataError, load_jena
+from resconv_jax.data.jena import load_jena
+from resconv_jax.errors import JenaDataError
 
 SPLIT_KEYS = ("x_train", "y_train", "x_val", "y_val", "x_test", "y_test", "mean", "std")
 FOUR = ("p (mbar)", "T (degC)", "rh (%)", "wv (m/s)")

@@ -21,11 +21,11 @@ from resconv_jax.analysis import probe, theory
 from resconv_jax.checkpoint import Checkpointer
 from resconv_jax.config_defaults import load_config_file
 from resconv_jax.data import load_dataset
+from resconv_jax.errors import ConfigError
 from resconv_jax.metrics import read_metrics
 from resconv_jax.models import transformer
 from resconv_jax.step import make_optimizer, make_step_functions
 from resconv_jax.sweep import expand_runs, run_hparams
-from resconv_jax.validation import ConfigError
 
 TINY = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.py")
 PROBE_KEYS = [

@@ -14,9 +14,9 @@ from flax import nnx
 
 from resconv_jax.analysis import probe
 from resconv_jax.config_defaults import load_config_file
+from resconv_jax.errors import ConfigError
 from resconv_jax.experiments import rank_collapse
 from resconv_jax.models import transformer
-from resconv_jax.validation import ConfigError
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 CONFIG = os.path.join(ROOT, "configs", "rank_collapse.py")

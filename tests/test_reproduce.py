@@ -235,8 +235,9 @@ def test_a_damaged_finished_run_is_resumed_not_reused(tmp_path):
 
 def test_a_second_reproduce_on_a_busy_folder_is_refused_at_once(tmp_path, capsys):
     """(`resconv_jax.reproduce` turns WorkdirBusy into its one line and exit status 3.)"""
+    from resconv_jax.errors import WorkdirBusy
     from resconv_jax.experiments import reproduce
-    from resconv_jax.workdir import WorkdirBusy, WorkdirLock
+    from resconv_jax.workdir import WorkdirLock
 
     holder = WorkdirLock(str(tmp_path))
     holder.acquire()

@@ -19,6 +19,8 @@ import zlib
 
 import numpy as np
 
+from resconv_jax.errors import JenaDataError
+
 JENA_COLUMNS: tuple[str, ...] = (
     "p (mbar)",
     "T (degC)",
@@ -42,10 +44,6 @@ WIND_COLUMNS: tuple[str, ...] = ("wv (m/s)", "max. wv (m/s)")
 _DATE_LEN = 19  # len("01.01.2009 00:10:00")
 _DIGIT_POS = np.array([0, 1, 3, 4, 6, 7, 8, 9, 11, 12, 14, 15, 17, 18])
 _SEPARATORS = {2: ".", 5: ".", 10: " ", 13: ":", 16: ":", 19: ","}
-
-
-class JenaDataError(ValueError):
-    """Bad Jena data or config; the message is one line naming the file and line if known."""
 
 
 @dataclasses.dataclass(frozen=True)

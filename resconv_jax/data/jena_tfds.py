@@ -21,7 +21,8 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from resconv_jax.data.jena import BUNDLED_NAME, bundled_csv_bytes
-from resconv_jax.data.jena_csv import JenaDataError, JenaTable, parse_jena_csv, read_csv_bytes
+from resconv_jax.data.jena_csv import JenaTable, parse_jena_csv, read_csv_bytes
+from resconv_jax.errors import JenaDataError
 
 SPLIT = "full"
 _MANUAL_SUFFIXES = (".csv", ".csv.gz", ".csv.zip", ".zip")

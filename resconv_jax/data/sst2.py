@@ -35,6 +35,7 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors
 
 from resconv_jax.data.fields import int_field
+from resconv_jax.errors import SST2DataError
 
 __all__ = [
     "EOS_ID",
@@ -74,10 +75,6 @@ BUNDLED_SHA256 = {
     BUNDLED_MERGES: "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
 }
 _SHOWN = 40  # characters of a bad field quoted in a message
-
-
-class SST2DataError(ValueError):
-    """Bad SST-2 data or config; the message is one line naming the file and line if known."""
 
 
 _int_field = functools.partial(int_field, error=SST2DataError, label="sst2")

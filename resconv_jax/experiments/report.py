@@ -17,10 +17,11 @@ from etils import epath
 
 from resconv_jax import workdir as wd
 from resconv_jax.analysis.summary import fit_floor
+from resconv_jax.errors import WorkdirBusy
 from resconv_jax.experiments import classification, conditioning, depth, descent, regression
 from resconv_jax.metrics import METRICS_FILE, read_metrics
 from resconv_jax.sweep import group_folder
-from resconv_jax.workdir import CONFIG_FILE, WorkdirBusy, WorkdirLock, read_saved_config
+from resconv_jax.workdir import CONFIG_FILE, WorkdirLock, read_saved_config
 
 _GROUP_FOLDER = re.compile(r"(?:layers_(\d+))?_?(?:dim_(\d+))?")
 

@@ -35,13 +35,12 @@ import jax
 from resconv_jax import experiments, train
 from resconv_jax import workdir as wd
 from resconv_jax.config_defaults import load_config_file
-from resconv_jax.divergence import TrainingDiverged
+from resconv_jax.errors import TrainingDiverged, WeightsNotFound, WorkdirBusy, WorkdirWriteError
 from resconv_jax.experiments import claims
 from resconv_jax.experiments.report import write_run_report
 from resconv_jax.finished import why_unfinished
-from resconv_jax.models.weights import WeightsNotFound
 from resconv_jax.sweep import expand_runs
-from resconv_jax.workdir import WorkdirBusy, WorkdirWriteError, read_saved_config
+from resconv_jax.workdir import read_saved_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 REPORT_FILE = "REPORT.md"

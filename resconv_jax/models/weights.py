@@ -34,6 +34,7 @@ import safetensors
 from absl import logging
 from flax import nnx, traverse_util
 
+from resconv_jax.errors import WeightsError, WeightsNotFound
 from resconv_jax.models import gpt2
 
 FOLDER_OPTION = "--config.model.weights=FOLDER"
@@ -56,14 +57,6 @@ _KEY_RULES = tuple(
 )
 _SKIPPED_KEYS = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)|lm_head\..*")
 _BLOCK_PATH = re.compile(r"h\.(\d+)\.")
-
-
-class WeightsError(ValueError):
-    """Weights that cannot be found or do not fit the model; the message is one line."""
-
-
-class WeightsNotFound(WeightsError):
-    """A hub id that is neither a local folder, nor in the cache, nor reachable on the hub."""
 
 
 def load_gpt2(

@@ -1,0 +1,45 @@
+"""Every error class of the package, in one module that imports nothing of ours, so that any
+module can raise or catch them without importing the module that usually raises them.
+
+Each message is one line saying what went wrong and what to do. The command line maps them to
+exit statuses (`resconv_jax.main`): ValueError and its subclasses (bad input) 2, WorkdirBusy 3,
+WorkdirWriteError 4, TrainingDiverged 1; Preempted is a clean stop (0).
+"""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A config value that cannot be run."""
+
+
+class JenaDataError(ValueError):
+    """Bad Jena data or config; the message is one line naming the file and line if known."""
+
+
+class SST2DataError(ValueError):
+    """Bad SST-2 data or config; the message is one line naming the file and line if known."""
+
+
+class WeightsError(ValueError):
+    """Weights that cannot be found or do not fit the model; the message is one line."""
+
+
+class WeightsNotFound(WeightsError):
+    """A hub id that is neither a local folder, nor in the cache, nor reachable on the hub."""
+
+
+class WorkdirBusy(RuntimeError):
+    """Another live process holds the workdir's lock."""
+
+
+class WorkdirWriteError(RuntimeError):
+    """A write into the workdir failed (disk full, vanished, read-only); one line, no traceback."""
+
+
+class TrainingDiverged(RuntimeError):
+    """A run's loss became non-finite; the message is one line saying what to do."""
+
+
+class Preempted(RuntimeError):
+    """SIGTERM or a pod preemption: the run stopped at a safe point and can be resumed."""

@@ -48,18 +48,15 @@ def stated_numbers(workdir: Path, figure: str) -> dict:
     return {"tau": order["tau"], "p_value": order["p_value"], "descent_rows": rows}
 
 
-def _run(config_file: str, workdir: Path) -> None:
-    from resconv_jax import experiments
-    from resconv_jax.config_defaults import load_config_file
-    from resconv_jax.experiments.report import write_run_report
-    from resconv_jax.finished import why_unfinished
+def _run(config_file: str, root: Path) -> None:
+    """Runs, resumes or reuses configs/CONFIG_FILE in ROOT/<its stem>, as `reproduce` does."""
+    from resconv_jax.experiments import reproduce
 
-    config = load_config_file(str(ROOT / "configs" / config_file))
-    if workdir.exists() and why_unfinished(config, workdir) is None:
-        print(f"{workdir}: finished before, reused", flush=True)
-        write_run_report(workdir)
-        return
-    experiments.run(config, str(workdir))
+    name = Path(config_file).stem
+    experiment = reproduce.Experiment(name, config_file, {}, f"configs/{config_file}")
+    outcome = reproduce.run_experiment(experiment, str(root), {})
+    if outcome.status == "not run":
+        raise SystemExit(f"error: {outcome.reason}")
 
 
 def main(argv: list[str]) -> int:
@@ -74,7 +71,7 @@ def main(argv: list[str]) -> int:
     root = Path(args.workdir)
     record, code = {}, code_version()  # before the copies below change the tree
     for config_file in sorted({config for config, _ in FIGURES.values()}):
-        _run(config_file, root / Path(config_file).stem)
+        _run(config_file, root)
     for name, (config_file, figure) in FIGURES.items():
         workdir = root / Path(config_file).stem
         shutil.copyfile(workdir / figure, DOCS / name)

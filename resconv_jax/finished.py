@@ -27,25 +27,27 @@ CHECKPOINTS = "checkpoints"
 
 
 def why_unfinished(config, workdir) -> str | None:
-    """None when `workdir` holds `config`'s run, finished and intact; else the first problem
-    found, in a few words ("metrics.jsonl ends at step 120 of 300"). ConfigError when
+    """None when `workdir` holds `config`'s training run, finished and intact; else the first
+    problem found, in a few words ("metrics.jsonl ends at step 120 of 300"). ConfigError when
     config.json is unreadable."""
     folder = wd.path(workdir)
     groups = group_runs(expand_runs(config))
     if len(groups) == 1:
         shape, runs = groups[0]
-        return _why_group_unfinished(group_config(config, shape), folder, len(runs))
-    problem = _why_config_differs(config, folder)
+        return _why_group_unfinished(group_config(config, shape), folder, len(runs))[0]
+    problem = why_config_differs(config, folder)
     if problem:
         return problem
     lines, summaries = [], []
     for shape, runs in groups:
         group_dir = folder / group_folder(shape)
-        problem = _why_group_unfinished(group_config(config, shape), group_dir, len(runs))
+        problem, prefix, summary = _why_group_unfinished(
+            group_config(config, shape), group_dir, len(runs)
+        )
         if problem:
             return f"{group_folder(shape)}: {problem}"
-        lines += read_metrics_lines(group_dir)
-        summaries += json.loads((group_dir / SUMMARY_FILE).read_text())
+        lines += prefix
+        summaries += summary
     if _text(folder / METRICS_FILE) != "".join(text for text, _ in lines):
         return f"{METRICS_FILE} is not the merge of its groups' files"
     if _json(folder / SUMMARY_FILE) != summaries:
@@ -81,7 +83,8 @@ def refuse_fewer_steps(config, folders) -> None:
             )
 
 
-def _why_config_differs(config, folder) -> str | None:
+def why_config_differs(config, folder) -> str | None:
+    """None when FOLDER/config.json is `config`, else why not."""
     saved = read_saved_config(folder)
     if saved is None:
         return f"no {CONFIG_FILE}"
@@ -90,31 +93,33 @@ def _why_config_differs(config, folder) -> str | None:
     return None
 
 
-def _why_group_unfinished(config, folder, num_runs: int) -> str | None:
-    """The checks of one program's run directory (R = `num_runs` runs)."""
-    problem = _why_config_differs(config, folder)
+def _why_group_unfinished(config, folder, num_runs: int) -> tuple[str | None, list, list]:
+    """The checks of one program's run directory (R = `num_runs` runs): (the first problem or
+    None, its metrics lines as (text, record), its summary.json)."""
+    problem = why_config_differs(config, folder)
     if problem:
-        return problem
+        return problem, [], []
     settings = _json(folder / RUNS_FILE)
     if not isinstance(settings, list) or len(settings) != num_runs:
-        return f"{RUNS_FILE} is missing or does not list the sweep's {num_runs} runs"
+        return f"{RUNS_FILE} is missing or does not list the sweep's {num_runs} runs", [], []
     lines = read_metrics_lines(folder)
     total, log_every = config.train.num_steps, config.train.log_every
     prefix, _ = valid_prefix(lines, settings, log_every)
     last = prefix[-1][1]["step"] if prefix else None
     if last != total:
         where = f"ends at step {last}" if prefix else "has no valid line"
-        return f"{METRICS_FILE} {where} of {total}"
+        return f"{METRICS_FILE} {where} of {total}", [], []
     if _text(folder / METRICS_FILE) != "".join(text for text, _ in prefix):
-        return f"{METRICS_FILE} holds more than its valid lines (a torn or foreign line)"
+        return f"{METRICS_FILE} holds more than its valid lines (a torn or foreign line)", [], []
     problem = _why_checkpoint_disagrees(folder, prefix)
     if problem:
-        return problem
+        return problem, [], []
     history = [record for _, record in prefix]
     expected = json_safe(run_summaries(history, settings, fit_floor(config.model.dtype)))
-    if _json(folder / SUMMARY_FILE) != json.loads(json.dumps(expected)):
-        return f"{SUMMARY_FILE} is missing or disagrees with {METRICS_FILE}"
-    return None
+    summary = _json(folder / SUMMARY_FILE)
+    if summary != json.loads(json.dumps(expected)):
+        return f"{SUMMARY_FILE} is missing or disagrees with {METRICS_FILE}", [], []
+    return None, prefix, summary
 
 
 def _why_checkpoint_disagrees(folder, prefix) -> str | None:
@@ -124,12 +129,8 @@ def _why_checkpoint_disagrees(folder, prefix) -> str | None:
     if not steps:
         return f"no checkpoint in {CHECKPOINTS}/"
     meta_dir = directory / str(steps[-1]) / "meta"
-    try:
-        options = ocp.CheckpointManagerOptions(create=False, read_only=True, save_interval_steps=0)
-        with ocp.CheckpointManager(directory, options=options) as manager:
-            meta = manager.restore(
-                steps[-1], args=ocp.args.Composite(meta=ocp.args.JsonRestore())
-            ).meta
+    try:  # read only: a CheckpointManager would want to own (and create) the folder
+        meta = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(meta_dir)
     except Exception:  # noqa: BLE001 - any failure to read means the resume decides
         return f"the metadata in {meta_dir} cannot be read"
     saved = meta.get("metrics_sha256") if isinstance(meta, dict) else None

@@ -17,11 +17,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as in main: threaded OpenB
 
 from absl import app, flags, logging  # noqa: E402
 
-from resconv_jax.errors import (  # noqa: E402
-    Preempted,  # noqa: E402
-    WorkdirBusy,
-    WorkdirWriteError,
-)
+from resconv_jax.errors import Preempted, WorkdirBusy, WorkdirWriteError  # noqa: E402
 from resconv_jax.experiments import reproduce as experiment  # noqa: E402
 from resconv_jax.validation import check_workdir  # noqa: E402
 

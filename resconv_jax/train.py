@@ -169,26 +169,26 @@ def run(config, workdir: str) -> list[dict]:
     try:
         validate_config(config)
         check_workdir(workdir)
+        groups = group_runs(expand_runs(config))
+        if len(groups) == 1:  # a one-element depth or width sweep is that setting, given
+            config = group_config(config, groups[0][0])
         synthetic = config.data.name == "synthetic"
         if synthetic:  # from the config's shapes, before anything is drawn
             memory.check_synthetic_data(config.data, max(config.sweep.dim, default=0))
-            _check_model_size(config, None)
+            _check_model_size(config, None, groups)
         if config.model.name == "gpt2" and config.model.weights != "random":
             find_weights(config.model.weights)  # missing weights: one line, before any other
-        dataset = load_dataset(config)
+        # A width sweep draws each width's own data (`_run_groups`), never data.dim's.
+        dataset = None if config.sweep.dim else load_dataset(config)
         if not synthetic:
-            _check_model_size(config, dataset)
+            _check_model_size(config, dataset, groups)
         _stop_before_training("loading the data")
         created = not wd.path(workdir).exists()
         lock = WorkdirLock(workdir)
         _lock_on_process_0(workdir, lock)
         try:
-            groups = group_runs(expand_runs(config))
-            if len(groups) == 1:  # a one-element depth or width sweep is that setting, given
-                shape, runs = groups[0]
-                config = group_config(config, shape)
-                data = dataset if shape[1] is None else load_dataset(config)
-                return _run_locked(config, wd.path(workdir), data, runs)
+            if len(groups) == 1:
+                return _run_locked(config, wd.path(workdir), dataset, groups[0][1])
             return _run_groups(config, wd.path(workdir), dataset, groups)
         except (ValueError, Preempted):  # ConfigError, data or weights errors: nothing kept
             if created and jax.process_index() == 0:
@@ -201,9 +201,10 @@ def run(config, workdir: str) -> list[dict]:
         signals.restore(previous_handler)
 
 
-def _check_model_size(config, dataset) -> None:
+def _check_model_size(config, dataset, groups) -> None:
     """`memory.check_transformer_size` at the sweep's largest shape: the widest d, the deepest L,
-    the most runs of one program; the data's shapes from `dataset`, or (None) from the config."""
+    the most runs of one program (of `groups`); the data's shapes from `dataset`, or (None) from
+    the config."""
     if config.model.name != "transformer":
         return
     if dataset is None:
@@ -220,7 +221,7 @@ def _check_model_size(config, dataset) -> None:
         d=d,
         d_y=d_y,
         num_layers=max(config.sweep.num_layers, default=config.model.num_layers),
-        runs=max(len(runs) for _, runs in group_runs(expand_runs(config))),
+        runs=max(len(runs) for _, runs in groups),
     )
 
 

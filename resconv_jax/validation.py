@@ -8,6 +8,7 @@ import os
 import jax
 
 from resconv_jax import workdir as wd
+from resconv_jax.config_defaults import base_config
 from resconv_jax.errors import ConfigError
 
 CHOICES = {
@@ -85,12 +86,10 @@ def _check_finite(node, prefix: str = "config") -> None:
             raise ConfigError(f"{field}={tuple(value)}: must be finite")
 
 
-REQUIRED = ("task", "seed", "model", "data", "optim", "train", "sweep", "probe", "theory", "mesh")
-
-
 def check_sections(config) -> None:
-    """Raises ConfigError naming the first top-level field or section that `config` lacks."""
-    missing = [name for name in REQUIRED if name not in config]
+    """Raises ConfigError naming the first top-level field or section of `base_config()` that
+    `config` lacks."""
+    missing = [name for name in base_config() if name not in config]
     if missing:
         raise ConfigError(
             f"the config has no {missing[0]!r} field or section: a config file's get_config() "
@@ -173,7 +172,6 @@ def check_workdir(workdir: str, *, checkpoints: bool = True) -> None:
     writes is found at the first write (exit status 4). With `checkpoints`, only gs:// is
     accepted: Orbax writes checkpoints to local folders and GCS only.
     """
-
     if not wd.is_local(workdir):
         if checkpoints and not str(workdir).startswith("gs://"):
             raise ConfigError(

@@ -235,7 +235,7 @@ def _loss_by_beta_figure(history: list[dict], threshold: float):
     if seeds > 1:
         note = (f"{seeds} seeds" if len(counts) == 1 else "seeds") + ": line mean, band min–max"
     else:
-        shapes = [name for name in ("L", "d") if any(key[("L", "d").index(name)] for key in curves)]
+        shapes = [name for i, name in enumerate(("L", "d")) if any(key[i] for key in curves)]
         note = f"one run per ({', '.join(shapes)}, β)" if shapes else "one run per β"
     axes[0].set_title(f"Full-batch GD by β ({note})")
     axes[0].legend(fontsize=8)
@@ -294,11 +294,9 @@ def plot_sigma_by_beta(rows: list[dict], path: str) -> bool:
             xs = [row[x_key] for row in same]
             ax.errorbar(xs, mean, yerr=[low, high], marker=marker, capsize=3, label=label)
     if x_key != "beta_attn":
+        ticks = sorted({row[x_key] for row in rows})
         ax.set_xscale("log", base=2)
-        ax.set_xticks(
-            sorted({row[x_key] for row in rows}),
-            [str(v) for v in sorted({row[x_key] for row in rows})],
-        )
+        ax.set_xticks(ticks, [str(v) for v in ticks])
     several = any(row["runs"] > 1 for row in rows)
     title = "Conditioning of Z, layer 0" + (" (mean over seeds, bars min–max)" if several else "")
     ax.set(xlabel=x_label, ylabel="σ_min(Z) / ‖Z‖_F", title=title)

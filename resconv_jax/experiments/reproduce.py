@@ -36,9 +36,9 @@ from resconv_jax import experiments, train
 from resconv_jax import workdir as wd
 from resconv_jax.config_defaults import load_config_file
 from resconv_jax.errors import TrainingDiverged, WeightsNotFound, WorkdirBusy, WorkdirWriteError
-from resconv_jax.experiments import claims
+from resconv_jax.experiments import claims, rank_collapse
 from resconv_jax.experiments.report import write_run_report
-from resconv_jax.finished import why_unfinished
+from resconv_jax.finished import why_config_differs, why_unfinished
 from resconv_jax.sweep import expand_runs
 from resconv_jax.workdir import read_saved_config
 
@@ -197,13 +197,15 @@ class Outcome:
 def _unfinished_reason(config, workdir: str) -> str | None:
     """None when `workdir` holds this config's run, finished and intact (`finished`), else why
     not; "" when it holds no run of it at all."""
-    if not wd.path(workdir).exists() or read_saved_config(workdir) is None:
+    folder = wd.path(workdir)
+    if not folder.exists() or read_saved_config(workdir) is None:
         return ""
-    if config.task == "rank_collapse":
-        same = read_saved_config(workdir) == json.loads(config.to_json_best_effort())
-        done = same and (wd.path(workdir) / "rank_collapse.csv").exists()
-        return None if done else "rank_collapse.csv or its config is missing"
-    return why_unfinished(config, workdir)
+    if config.task != "rank_collapse":
+        return why_unfinished(config, workdir)
+    problem = why_config_differs(config, folder)  # the task trains nothing: its CSV is its result
+    if problem is None and not (folder / rank_collapse.CSV_FILE).exists():
+        problem = f"no {rank_collapse.CSV_FILE}"
+    return problem
 
 
 def _run_one(experiment: Experiment, root: str, times: dict) -> Outcome:

@@ -162,7 +162,8 @@ def main(argv=None) -> None:
         "--cmd-flag",
         action="append",
         default=[],
-        help="extra flag for every command, e.g. --cmd-flag=--config.theory.every=0 (repeatable)",
+        help="extra flag for every command (repeatable), e.g. "
+        "--cmd-flag=--config.certificate.every=0",
     )
     p.add_argument("--output", default="", help="also write the tables (Markdown) here")
     args = p.parse_args(argv)

@@ -30,7 +30,7 @@ def get_config(arg=None):
     config.train.num_steps = 1500 if small else 3000
     config.probe.every = 50
     config.probe.per_sample = False
-    config.theory.every = config.train.num_steps  # the tangent kernel at initialization only
+    config.certificate.every = config.train.num_steps  # the tangent kernel at initialization only
     if small:
         config.sweep.beta = (0.0, 0.25, 0.5, 0.75, 1.0)
         config.sweep.seed = (0, 1, 2)

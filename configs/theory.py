@@ -30,7 +30,7 @@ def get_config(arg=None):
     config = theory_regime_config(64)  # d = P·M
     config.optim.lr = 4e-4  # <= 1/λ_max(K) at init for every β (see docstring)
     config.train.num_steps = 2000
-    config.theory.every = 20  # tangent-kernel certificate every 20 steps (J is 64 × 13k)
+    config.certificate.every = 20  # tangent-kernel certificate every 20 steps (J is 64 × 13k)
     config.sweep.beta = (0.0, 0.5, 1.0)
     config.lock()
     return config

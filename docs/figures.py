@@ -41,7 +41,7 @@ def stated_numbers(workdir: Path, figure: str) -> dict:
     if figure != "descent_by_beta.png":
         return {}
     from resconv_jax.experiments import descent
-    from resconv_jax.metrics import read_metrics
+    from resconv_jax.runtime.metrics import read_metrics
 
     rows = descent.descent_rows(read_metrics(workdir))
     order = descent.ordering(rows)
@@ -50,7 +50,7 @@ def stated_numbers(workdir: Path, figure: str) -> dict:
 
 def _run(config_file: str, root: Path) -> None:
     """Runs, resumes or reuses configs/CONFIG_FILE in ROOT/<its stem>, as `reproduce` does."""
-    from resconv_jax.experiments import reproduce
+    from resconv_jax import reproduce
 
     name = Path(config_file).stem
     experiment = reproduce.Experiment(name, config_file, {}, f"configs/{config_file}")
@@ -65,8 +65,8 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     sys.path.insert(0, str(ROOT))
-    from resconv_jax.experiments.reproduce import code_version
-    from resconv_jax.workdir import json_safe
+    from resconv_jax.reproduce import code_version
+    from resconv_jax.runtime.workdir import json_safe
 
     root = Path(args.workdir)
     record, code = {}, code_version()  # before the copies below change the tree

@@ -101,12 +101,14 @@ def base_config() -> ml_collections.ConfigDict:
     c.probe.per_sample = True  # also min_p σ_min(Z_p), min_p σ_min(Attn(X_p)) (one SVD per sample)
     c.probe.dtype = "float32"  # of the probe's QR/SVD; "float64" turns on jax_enable_x64
 
-    c.theory = ml_collections.ConfigDict()
-    c.theory.every = 0  # steps between tangent-kernel certificates (0: off); multiple of log_every
+    c.certificate = ml_collections.ConfigDict()
+    c.certificate.every = (
+        0  # steps between tangent-kernel certificates (0: off); multiple of log_every
+    )
     # J (n × p) up to this many entries is formed and K diagonalized exactly; a larger J is never
     # formed: Lanczos on K v = J (Jᵀ v) gives λ_min, λ_max with their residuals instead
-    c.theory.max_jacobian_entries = 20_000_000
-    c.theory.lanczos_iterations = 100  # Lanczos steps k (capped at the operator's size)
+    c.certificate.max_jacobian_entries = 20_000_000
+    c.certificate.lanczos_iterations = 100  # Lanczos steps k (capped at the operator's size)
 
     c.report = ml_collections.ConfigDict()
     # Loss level for "steps to threshold" in beta_table.csv; 0: 1.5 × the largest final loss.
@@ -116,6 +118,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh.sweep = 0  # devices on the 'sweep' (runs) axis; 0: the largest that divides the runs
     c.mesh.data = 0  # devices on the 'data' (samples) axis; 0: the largest that divides P
     return c
+
+
+# Fields and sections that moved: old dotted name (or its prefix) -> new. An old name on the
+# command line is refused in one line naming the new one (`validation.renamed_flag`), never aliased.
+RENAMED = {"theory": "certificate"}
 
 
 def theory_regime_config(dim: int) -> ml_collections.ConfigDict:

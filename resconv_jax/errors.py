@@ -8,6 +8,8 @@ WorkdirWriteError 4, TrainingDiverged 1; Preempted is a clean stop (0).
 
 from __future__ import annotations
 
+import sys
+
 
 class ConfigError(ValueError):
     """A config value that cannot be run."""
@@ -43,3 +45,21 @@ class TrainingDiverged(RuntimeError):
 
 class Preempted(RuntimeError):
     """SIGTERM or a pod preemption: the run stopped at a safe point and can be resumed."""
+
+
+def one_line(error: BaseException) -> str:
+    """`error`'s message on one line (newlines, escaped ones too, and runs of blanks as one
+    space); its class name when the message is empty."""
+    return " ".join(str(error).replace("\\n", " ").split()) or type(error).__name__
+
+
+def in_file(error: type[ValueError], name: str, problem: str, line: int | None = None):
+    """`error("NAME: line N: PROBLEM")` on one line: a data file's problem, where it is."""
+    where = f"{name}: line {line}: " if line is not None else f"{name}: "
+    return error((where + problem).replace("\n", " "))
+
+
+def exit_with(message: str, status: int) -> None:
+    """The command line's end for bad input: `error: MESSAGE` on stderr, exit `status`."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(status)

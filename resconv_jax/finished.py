@@ -12,12 +12,12 @@ import json
 
 import orbax.checkpoint as ocp
 
-from resconv_jax import workdir as wd
 from resconv_jax.analysis.summary import fit_floor, run_summaries
 from resconv_jax.errors import ConfigError
-from resconv_jax.metrics import METRICS_FILE, lines_digest, read_metrics_lines, valid_prefix
+from resconv_jax.runtime import workdir as wd
+from resconv_jax.runtime.metrics import METRICS_FILE, lines_digest, read_metrics_lines, valid_prefix
+from resconv_jax.runtime.workdir import CONFIG_FILE, json_safe, read_saved_config
 from resconv_jax.sweep import expand_runs, group_config, group_folder, group_runs
-from resconv_jax.workdir import CONFIG_FILE, json_safe, read_saved_config
 
 SUMMARY_FILE = "summary.json"
 # The expanded sweep, one entry per run with the settings it trains with (config.json holds the

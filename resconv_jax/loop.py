@@ -15,14 +15,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from resconv_jax import signals
+from resconv_jax.analysis import theory
 from resconv_jax.analysis.certificate import Kernel
-from resconv_jax.checkpoint import Checkpointer
-from resconv_jax.divergence import diverged_message, diverging_runs
 from resconv_jax.errors import Preempted, TrainingDiverged, WorkdirWriteError
-from resconv_jax.metrics import progress_line
-from resconv_jax.multihost import to_host
 from resconv_jax.runners import ChunkRunners
+from resconv_jax.runtime import signals
+from resconv_jax.runtime.checkpoint import Checkpointer
+from resconv_jax.runtime.divergence import diverged_message, diverging_runs
+from resconv_jax.runtime.metrics import progress_line
+from resconv_jax.runtime.multihost import to_host
 
 
 @dataclasses.dataclass
@@ -56,18 +57,18 @@ def _resume_hint(checkpointer: Checkpointer) -> str:
 
 def run_loop(config, workdir, program, checkpointer, writer, step, config_json, dataset) -> None:
     """Steps every run from `step` to train.num_steps, one log chunk at a time."""
-    train, p = config.train, program
-    runs, kernel = p.runs, p.kernel
-    print(p.description, flush=True)
+    train = config.train
+    runs, kernel = program.runs, program.kernel
+    print(program.description, flush=True)
     print(
-        f"{len(runs)} runs, mesh {dict(p.y.sharding.mesh.shape)}, {dataset.description}; "
-        f"compiled in {p.compile_seconds:.1f}s{p.runners.description}; {p.flops:.3g} FLOP per "
-        "step (all runs)",
+        f"{len(runs)} runs, mesh {dict(program.y.sharding.mesh.shape)}, {dataset.description}; "
+        f"compiled in {program.compile_seconds:.1f}s{program.runners.description}; "
+        f"{program.flops:.3g} FLOP per step (all runs)",
         flush=True,
     )
     settings = [r.settings() for r in runs]
     lrs = np.array([r.lr for r in runs])
-    total, start, state = train.num_steps, step, p.state
+    total, start, state = train.num_steps, step, program.state
     meta = {"config": config_json}
     try:
         last_print, last_print_step = time.perf_counter(), step
@@ -91,12 +92,18 @@ def run_loop(config, workdir, program, checkpointer, writer, step, config_json, 
                     "rerun the same command to resume"
                 )
             num = min(train.log_every, total - step)
-            evaluated = _evaluate(p, state["params"])
+            evaluated = _evaluate(program, state["params"])
             params_at_step = state["params"]
-            certify = kernel is not None and config.theory.every and step % config.theory.every == 0
+            certify = (
+                kernel is not None
+                and config.certificate.every
+                and step % config.certificate.every == 0
+            )
             if certify:  # the kernel needs the parameters the chunk is about to donate
                 params_at_step = jax.tree.map(jnp.copy, params_at_step)
-            state, buffers = p.runners.at(step)(state, p.hp, p.x, p.y, jnp.int32(num))
+            state, buffers = program.runners.at(step)(
+                state, program.hp, program.x, program.y, jnp.int32(num)
+            )
             buffers = to_host(buffers)
             records = _log_records(settings, buffers, num, evaluated)
             if step < train.step_losses_until:
@@ -105,7 +112,7 @@ def run_loop(config, workdir, program, checkpointer, writer, step, config_json, 
             losses = buffers["loss"][:num]
             if certify and num > 1 and np.isfinite(buffers["loss"][0]).all():
                 contraction = buffers["loss"][1] / buffers["loss"][0]
-                ntk = kernel.records(params_at_step, p.hp, p.x, lrs, contraction)
+                ntk = kernel.records(params_at_step, program.hp, program.x, lrs, contraction)
                 records = [r | n for r, n in zip(records, ntk, strict=True)]
             writer.write(step, records)
             if diverging_runs(losses).size:
@@ -120,11 +127,13 @@ def run_loop(config, workdir, program, checkpointer, writer, step, config_json, 
                     progress_line(step, total, step - 1, buffers["loss"][num - 1], rate, settings),
                     flush=True,
                 )
-                writer.scalars(step, {"steps_per_sec": rate, "flops_per_sec": rate * p.flops})
+                writer.scalars(step, {"steps_per_sec": rate, "flops_per_sec": rate * program.flops})
                 last_print, last_print_step = now, step
         if not writer.history or writer.history[-1]["step"] < total:
-            final = {"loss": to_host(p.evaluate(state["params"], p.hp, p.x, p.y))}
-            final |= _evaluate(p, state["params"])
+            final = {
+                "loss": to_host(program.evaluate(state["params"], program.hp, program.x, program.y))
+            }
+            final |= _evaluate(program, state["params"])
             writer.write(
                 total, [s | {k: v[r] for k, v in final.items()} for r, s in enumerate(settings)]
             )
@@ -136,23 +145,30 @@ def run_loop(config, workdir, program, checkpointer, writer, step, config_json, 
 def _evaluate(program: Program, params) -> dict[str, np.ndarray]:
     """Per-run values at a log step besides the training loss: the validation loss and, for a
     classification task, the training and validation errors (fraction misclassified)."""
-    p, values = program, {}
-    if p.x_val is not None:
-        values["val_loss"] = to_host(p.evaluate(params, p.hp, p.x_val, p.y_val))
-    if p.classification:
-        values["error"] = to_host(p.error(params, p.hp, p.x, p.y))
-        if p.x_val is not None:
-            values["val_error"] = to_host(p.error(params, p.hp, p.x_val, p.y_val))
+    values = {}
+    if program.x_val is not None:
+        values["val_loss"] = to_host(
+            program.evaluate(params, program.hp, program.x_val, program.y_val)
+        )
+    if program.classification:
+        values["error"] = to_host(program.error(params, program.hp, program.x, program.y))
+        if program.x_val is not None:
+            values["val_error"] = to_host(
+                program.error(params, program.hp, program.x_val, program.y_val)
+            )
     return values
 
 
 def _diverged(config, program: Program, checkpointer, writer, step: int, losses) -> str:
     kernel = program.kernel
 
-    def lambda_max():
+    def stable_lrs():
         if kernel is not None and kernel.lam_max is not None:
-            return kernel.lam_max, "lambda_max from the latest tangent-kernel certificate"
-        return program.lambda_max_at_init(), "lambda_max at initialization, power iteration"
+            lam, source = kernel.lam_max, "lambda_max from the latest tangent-kernel certificate"
+        else:
+            lam = program.lambda_max_at_init()
+            source = "lambda_max at initialization, power iteration"
+        return theory.stable_lr(np.asarray(lam, float), loss_scale=program.loss_scale), source
 
     checkpointer.wait()
     return diverged_message(
@@ -162,8 +178,7 @@ def _diverged(config, program: Program, checkpointer, writer, step: int, losses)
         writer.history,
         checkpointer.steps(),
         checkpointer.directory,
-        lambda_max,
-        program.loss_scale,
+        stable_lrs,
         bool(config.sweep.lr),
     )
 

@@ -22,7 +22,7 @@ import os
 import sys
 import traceback
 
-from resconv_jax import signals
+from resconv_jax.runtime import signals
 
 # Seen from the first moment: a SIGTERM during the imports below stops the run before it starts.
 # (A multi-process run hands SIGTERM back to JAX's preemption notifier once the flags are read.)
@@ -34,7 +34,7 @@ import jax  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from resconv_jax import experiments, multihost  # noqa: E402
+from resconv_jax import experiments  # noqa: E402
 from resconv_jax.analysis.summary import format_summary  # noqa: E402
 from resconv_jax.errors import (  # noqa: E402
     ConfigError,
@@ -42,8 +42,11 @@ from resconv_jax.errors import (  # noqa: E402
     TrainingDiverged,
     WorkdirBusy,
     WorkdirWriteError,
+    exit_with,
+    one_line,
 )
-from resconv_jax.validation import check_sections, wants_float64  # noqa: E402
+from resconv_jax.runtime import multihost  # noqa: E402
+from resconv_jax.validation import check_sections, renamed_flag, wants_float64  # noqa: E402
 
 EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_BUSY, EXIT_WRITE_FAILED, EXIT_LOST_PROCESS = 1, 2, 3, 4, 5
 
@@ -63,11 +66,6 @@ _HEARTBEAT = flags.DEFINE_integer(
 )
 
 
-def _fail(message: str, status: int) -> None:
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    sys.exit(status)
-
-
 def _config_path(argv: list[str]) -> str | None:
     for i, arg in enumerate(argv):
         if arg.startswith("--config="):
@@ -83,27 +81,27 @@ def _check_config_file(path: str) -> None:
     if not os.path.exists(path) and ":" in path:  # FILE:ARG passes ARG to get_config
         path = path.rsplit(":", 1)[0]
     if not os.path.exists(path):
-        _fail(f"{where}: no such file", EXIT_BAD_INPUT)
+        exit_with(f"{where}: no such file", EXIT_BAD_INPUT)
     if os.path.isdir(path):
-        _fail(f"{where}: is a folder, not a config file", EXIT_BAD_INPUT)
+        exit_with(f"{where}: is a folder, not a config file", EXIT_BAD_INPUT)
     try:
         with open(path, "rb") as f:
             source = f.read()
     except OSError as error:
-        _fail(f"{where}: cannot read it ({error.strerror})", EXIT_BAD_INPUT)
+        exit_with(f"{where}: cannot read it ({error.strerror})", EXIT_BAD_INPUT)
     try:
         compile(source, path, "exec")
     except (SyntaxError, ValueError) as error:
         line = f" at line {error.lineno}" if getattr(error, "lineno", None) else ""
         reason = getattr(error, "msg", None) or str(error)
-        _fail(f"{where}: not a Python config file ({reason}{line})", EXIT_BAD_INPUT)
+        exit_with(f"{where}: not a Python config file ({reason}{line})", EXIT_BAD_INPUT)
     if b"get_config" not in source:
-        _fail(f"{where}: defines no get_config()", EXIT_BAD_INPUT)
+        exit_with(f"{where}: defines no get_config()", EXIT_BAD_INPUT)
 
 
-def _one_line(error: BaseException) -> str:
-    message = str(error).replace("\\n", " ").replace("\\'", "'")
-    return " ".join(message.split()).replace("'", "") or type(error).__name__
+def _flag_error(error: BaseException) -> str:
+    """absl's and ml_collections' messages, on one line and without their quoting."""
+    return one_line(error).replace("'", "'").replace("'", "")
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -112,20 +110,22 @@ def parse_flags(argv: list[str]) -> list[str]:
     path = _config_path(argv)
     if path is not None:
         _check_config_file(path)
+    if renamed := renamed_flag(argv):
+        exit_with(renamed, EXIT_BAD_INPUT)
     try:
         return flags.FLAGS(argv)
     except flags.Error as error:
         text = str(error).strip()
         if "Traceback (most recent call last)" in text:  # get_config() raised: its last line
             reason = text.splitlines()[-1].strip()
-            _fail(f"--config={path}: loading it failed ({_one_line(reason)})", EXIT_BAD_INPUT)
-        _fail(f"bad flag: {_one_line(error)}", EXIT_BAD_INPUT)
+            exit_with(f"--config={path}: loading it failed ({_flag_error(reason)})", EXIT_BAD_INPUT)
+        exit_with(f"bad flag: {_flag_error(error)}", EXIT_BAD_INPUT)
     except (AttributeError, KeyError, TypeError) as error:
-        _fail(f"bad flag: {_one_line(error)}", EXIT_BAD_INPUT)
+        exit_with(f"bad flag: {_flag_error(error)}", EXIT_BAD_INPUT)
     except Exception as error:  # noqa: BLE001 - the config file's own code ran and failed
         cause = error.__cause__ or error
-        _fail(
-            f"--config={path}: loading it failed ({type(cause).__name__}: {_one_line(cause)})",
+        exit_with(
+            f"--config={path}: loading it failed ({type(cause).__name__}: {_flag_error(cause)})",
             EXIT_BAD_INPUT,
         )
 
@@ -193,14 +193,14 @@ def _on_lost_process(message: str) -> None:
 def _main(argv: list[str]) -> None:
     global _watchdog
     if len(argv) > 1:
-        _fail(f"unexpected arguments: {' '.join(argv[1:])}", EXIT_BAD_INPUT)
+        exit_with(f"unexpected arguments: {' '.join(argv[1:])}", EXIT_BAD_INPUT)
     _stopped_before_start()
     try:
         launch = multihost.resolve_launch(
             _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _HEARTBEAT.value
         )
     except ConfigError as error:
-        _fail(str(error), EXIT_BAD_INPUT)
+        exit_with(str(error), EXIT_BAD_INPUT)
     if launch.multi_process:
         signals.uninstall()
         multihost.initialize(launch)
@@ -213,11 +213,11 @@ def _main(argv: list[str]) -> None:
         config.task  # noqa: B018 - config_flags loads the file on first access
     except Exception as error:  # noqa: BLE001 - config_flags defers the config file's errors
         cause = error.__cause__ or error
-        _fail(f"--config: loading it failed ({_one_line(cause)})", EXIT_BAD_INPUT)
+        exit_with(f"--config: loading it failed ({_flag_error(cause)})", EXIT_BAD_INPUT)
     try:
         check_sections(config)
     except ConfigError as error:
-        _fail(str(error), EXIT_BAD_INPUT)
+        exit_with(str(error), EXIT_BAD_INPUT)
     if wants_float64(config):
         jax.config.update("jax_enable_x64", True)
         print("float64 in the config: jax_enable_x64 is on", flush=True)
@@ -225,17 +225,17 @@ def _main(argv: list[str]) -> None:
     try:
         summaries = experiments.run(config, _WORKDIR.value)
     except ConfigError as error:
-        _fail(str(error), EXIT_BAD_INPUT)
+        exit_with(str(error), EXIT_BAD_INPUT)
     except ValueError as error:  # data errors: one line naming the file and the problem
-        _fail(str(error), EXIT_BAD_INPUT)
+        exit_with(str(error), EXIT_BAD_INPUT)
     except WorkdirBusy as error:
-        _fail(str(error), EXIT_BUSY)
+        exit_with(str(error), EXIT_BUSY)
     except WorkdirWriteError as error:
         if _watchdog is not None:  # a checkpoint's collective fails when another process dies
             _watchdog.wait_for_loss()
-        _fail(str(error), EXIT_WRITE_FAILED)
+        exit_with(str(error), EXIT_WRITE_FAILED)
     except TrainingDiverged as error:
-        _fail(str(error), EXIT_DIVERGED)
+        exit_with(str(error), EXIT_DIVERGED)
     except Preempted as error:
         print(str(error), flush=True)
         return

@@ -20,8 +20,7 @@ import numpy as np
 from etils import epath
 from jax.experimental import multihost_utils
 
-from resconv_jax import memory, multihost, sharding, signals
-from resconv_jax import workdir as wd
+from resconv_jax import sharding
 from resconv_jax.analysis import lanczos, probe
 from resconv_jax.analysis.certificate import (
     Kernel,
@@ -31,12 +30,18 @@ from resconv_jax.analysis.certificate import (
     with_kernel_lrs,
 )
 from resconv_jax.analysis.summary import fit_floor, run_summaries
-from resconv_jax.checkpoint import Checkpointer, checkpoint_losses_finite
+from resconv_jax.config_defaults import base_config
 from resconv_jax.data import load_dataset
 from resconv_jax.errors import ConfigError, Preempted, TrainingDiverged
 from resconv_jax.finished import RUNS_FILE, SUMMARY_FILE, refuse_fewer_steps
 from resconv_jax.loop import Program, run_loop
-from resconv_jax.metrics import (
+from resconv_jax.models import Model, build_model
+from resconv_jax.models.weights import find_weights
+from resconv_jax.runners import ChunkRunners, check_runs_per_chunk
+from resconv_jax.runtime import memory, multihost, signals
+from resconv_jax.runtime import workdir as wd
+from resconv_jax.runtime.checkpoint import Checkpointer, checkpoint_losses_finite
+from resconv_jax.runtime.metrics import (
     METRICS_FILE,
     MetricsWriter,
     lines_digest,
@@ -44,18 +49,7 @@ from resconv_jax.metrics import (
     step_flops,
     valid_prefix,
 )
-from resconv_jax.models import Model, build_model
-from resconv_jax.models.weights import find_weights
-from resconv_jax.runners import ChunkRunners, check_runs_per_chunk
-from resconv_jax.step import (
-    init_opt_state,
-    is_classification,
-    make_optimizer,
-    make_step_functions,
-)
-from resconv_jax.sweep import expand_runs, group_config, group_folder, group_runs, run_hparams
-from resconv_jax.validation import check_workdir, validate_config
-from resconv_jax.workdir import (
+from resconv_jax.runtime.workdir import (
     CONFIG_FILE,
     WorkdirBusy,
     WorkdirLock,
@@ -66,8 +60,22 @@ from resconv_jax.workdir import (
     read_saved_config,
     write_json,
 )
+from resconv_jax.step import (
+    init_opt_state,
+    is_classification,
+    make_optimizer,
+    make_step_functions,
+)
+from resconv_jax.sweep import expand_runs, group_config, group_folder, group_runs, run_hparams
+from resconv_jax.validation import check_workdir, validate_config
 
 __all__ = ["SUMMARY_FILE", "Preempted", "TrainingDiverged", "run"]
+
+
+@functools.cache
+def _defaults_json() -> dict:
+    """The base config as JSON: what a field that a saved config lacks took when it was saved."""
+    return json.loads(base_config().to_json_best_effort())
 
 
 def _init_params(model: Model, runs) -> dict:
@@ -260,7 +268,7 @@ def _build(config, dataset, mesh, model: Model, num_outputs: int, num_params: in
     fns = make_fns()  # loss, step, evaluate, kernel: the chunk runners add the probe
     scale = loss_scale(config, num_outputs)
     kernel = None
-    if config.theory.every or config.optim.lr_rule == "lambda_max":
+    if config.certificate.every or config.optim.lr_rule == "lambda_max":
         kernel = _make_kernel(config, fns, scale, num_outputs, num_params)
     params = _init_params(model, runs)
     if config.optim.lr_rule == "lambda_max":
@@ -296,17 +304,18 @@ def _build(config, dataset, mesh, model: Model, num_outputs: int, num_params: in
 
 
 def _make_kernel(config, fns, scale: float, num_outputs: int, num_params: int) -> Kernel:
-    """The certificate's eigenvalues: K formed from J when J fits theory.max_jacobian_entries,
+    """The certificate's eigenvalues: K formed from J when J fits certificate.max_jacobian_entries,
     else Lanczos (J never formed; its cost and accuracy are said in one line)."""
     if jacobian_fits(config, num_outputs, num_params):
         return Kernel(jax.jit(fns.kernel_eigenvalues), scale)
-    iterations = config.theory.lanczos_iterations
+    iterations = config.certificate.lanczos_iterations
     products = lanczos.num_products(iterations, num_outputs, num_params)
     print(
-        f"theory: J ({num_outputs} outputs x {num_params} params) exceeds "
-        f"theory.max_jacobian_entries={config.theory.max_jacobian_entries}: λ_min, λ_max of K by "
+        f"certificate: J ({num_outputs} outputs x {num_params} params) exceeds "
+        f"certificate.max_jacobian_entries={config.certificate.max_jacobian_entries}: "
+        "λ_min, λ_max of K by "
         f"Lanczos ({products} products J(Jᵀv) per run per check, "
-        f"theory.lanczos_iterations={iterations}), accuracy in ntk/residual_min, "
+        f"certificate.lanczos_iterations={iterations}), accuracy in ntk/residual_min, "
         "ntk/residual_max",
         flush=True,
     )
@@ -320,7 +329,7 @@ def _run_groups(config, workdir: epath.Path, dataset, groups) -> list[dict]:
     config_json = json.loads(config.to_json_best_effort())
     saved = read_saved_config(workdir)
     if saved is not None:
-        check_same_run(workdir, saved, config_json, CONFIG_FILE)
+        check_same_run(workdir, saved, config_json, CONFIG_FILE, _defaults_json())
     refuse_fewer_steps(config, [workdir / group_folder(shape) for shape, _ in groups])
     if jax.process_index() == 0:
         write_json(workdir / CONFIG_FILE, config_json)
@@ -364,7 +373,7 @@ def _run_locked(config, workdir: epath.Path, dataset, runs) -> list[dict]:
         config_json = json.loads(config.to_json_best_effort())
         saved, where = _saved_config(workdir, checkpointer)
         if saved is not None:
-            check_same_run(workdir, saved, config_json, where)
+            check_same_run(workdir, saved, config_json, where, _defaults_json())
         refuse_fewer_steps(config, [workdir])
         program = _build(config, dataset, mesh, model, num_outputs, num_params, runs)
         _stop_before_training("compiling")

@@ -7,9 +7,9 @@ import os
 
 import jax
 
-from resconv_jax import workdir as wd
-from resconv_jax.config_defaults import base_config
+from resconv_jax.config_defaults import RENAMED, base_config
 from resconv_jax.errors import ConfigError
+from resconv_jax.runtime import workdir as wd
 
 CHOICES = {
     "task": ("train", "rank_collapse"),
@@ -37,16 +37,16 @@ _POSITIVE_INTS = (
     "train.print_every",
     "train.checkpoint_every",
     "train.keep_checkpoints",
-    "theory.lanczos_iterations",
+    "certificate.lanczos_iterations",
 )
 _NON_NEGATIVE_INTS = (
     "train.num_steps",
     "mesh.sweep",
     "mesh.data",
-    "theory.every",
+    "certificate.every",
     "probe.every",
     "train.step_losses_until",
-    "theory.max_jacobian_entries",
+    "certificate.max_jacobian_entries",
 )
 INT_MINIMUM = (
     dict.fromkeys(_POSITIVE_INTS, 1)
@@ -84,6 +84,20 @@ def _check_finite(node, prefix: str = "config") -> None:
             isinstance(v, float) and not math.isfinite(v) for v in value
         ):
             raise ConfigError(f"{field}={tuple(value)}: must be finite")
+
+
+def renamed_flag(argv: list[str]) -> str | None:
+    """The one-line refusal of the first `--config.OLD=...` in `argv` whose field moved
+    (`config_defaults.RENAMED`), naming where it is now; None when every name is current."""
+    for arg in argv:
+        if not arg.startswith("--config."):
+            continue
+        field = arg[len("--config.") :].split("=", 1)[0]
+        for old, new in RENAMED.items():
+            if field == old or field.startswith(old + "."):
+                now = new + field[len(old) :]
+                return f"--config.{field} is now --config.{now} (renamed; the old name is not read)"
+    return None
 
 
 def check_sections(config) -> None:
@@ -144,7 +158,7 @@ def validate_config(config) -> None:
         raise ConfigError("config.sweep.beta sets both residuals: leave beta_attn/beta_ffn empty")
     log_every = config.train.log_every
     multiples = {f"train.{k}": config.train[k] for k in ("print_every", "checkpoint_every")}
-    for section in ("theory", "probe"):
+    for section in ("certificate", "probe"):
         if section in config:
             multiples[f"{section}.every"] = config[section].every
     for field, value in multiples.items():

@@ -6,7 +6,7 @@ import pytest
 
 from resconv_jax import experiments, train
 from resconv_jax.config_defaults import load_config_file
-from resconv_jax.metrics import METRICS_FILE, read_metrics
+from resconv_jax.runtime.metrics import METRICS_FILE, read_metrics
 
 TINY = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.py")
 STEPS = {
@@ -52,8 +52,8 @@ def test_a_depth_sweep_resumes_across_groups(tmp_path):
 
 
 def test_a_depth_sweep_refused_in_its_first_group_leaves_no_workdir(tmp_path, monkeypatch):
-    from resconv_jax import memory
     from resconv_jax.errors import ConfigError
+    from resconv_jax.runtime import memory
 
     monkeypatch.setattr(memory, "device_available_bytes", lambda device: 1 << 10)
     with pytest.raises(ConfigError, match="XLA's memory analysis"):

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from resconv_jax import train
-from resconv_jax.checkpoint import Checkpointer, checkpoint_losses_finite
 from resconv_jax.config_defaults import load_config_file
 from resconv_jax.errors import ConfigError, WorkdirBusy, WorkdirWriteError
-from resconv_jax.metrics import METRICS_FILE, TENSORBOARD_DIR
-from resconv_jax.workdir import CONFIG_FILE, WorkdirLock
+from resconv_jax.runtime.checkpoint import Checkpointer, checkpoint_losses_finite
+from resconv_jax.runtime.metrics import METRICS_FILE, TENSORBOARD_DIR
+from resconv_jax.runtime.workdir import CONFIG_FILE, WorkdirLock
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 TINY = os.path.join(ROOT, "configs", "tiny.py")
@@ -265,7 +265,7 @@ class _FullDisk:
 
 
 def test_a_full_disk_at_a_metrics_write_is_one_line_and_resumable(tmp_path, reference, monkeypatch):
-    from resconv_jax import metrics
+    from resconv_jax.runtime import metrics
 
     budget = [5]
     real_open = open
@@ -312,7 +312,7 @@ def test_bad_values_are_refused_before_anything_is_written(tmp_path, overrides, 
 
 
 def test_a_step_that_cannot_fit_is_refused_before_anything_is_written(tmp_path, monkeypatch):
-    from resconv_jax import memory
+    from resconv_jax.runtime import memory
 
     monkeypatch.setattr(memory, "device_available_bytes", lambda device: 1 << 10)
     with pytest.raises(ConfigError, match="XLA's memory analysis") as error:
@@ -322,7 +322,7 @@ def test_a_step_that_cannot_fit_is_refused_before_anything_is_written(tmp_path, 
 
 
 def test_divergence_names_the_last_finite_checkpoint_and_the_most_restrictive_run():
-    from resconv_jax.divergence import diverged_message, last_good_checkpoint
+    from resconv_jax.runtime.divergence import diverged_message, last_good_checkpoint
     from resconv_jax.sweep import RunSpec
 
     runs = [RunSpec(r, 0, 0.01, b, b) for r, b in enumerate((0.0, 0.5, 1.0))]

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from resconv_jax.metrics import METRICS_FILE
-from resconv_jax.workdir import WorkdirLock
+from resconv_jax.runtime.metrics import METRICS_FILE
+from resconv_jax.runtime.workdir import WorkdirLock
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 TINY = os.path.join(ROOT, "configs", "tiny.py")
@@ -46,6 +46,7 @@ def finish(process, timeout: float = 120) -> tuple[int, str, str]:
         (TINY, ["--config.data.num_samples=100000000"], "the data set alone needs"),
         (f"{THEORY}:bogus", [], "theory.py: unknown variant bogus (it has no variants)"),
         ("nosection.py", [], "the config has no 'train' field or section"),
+        (TINY, ["--config.theory.every=10"], "--config.theory.every is now --config.certificate"),
     ],
 )
 def test_bad_input_is_one_line_status_2_nothing_written(tmp_path, config_file, extra, expected):

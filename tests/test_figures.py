@@ -1,4 +1,4 @@
-"""The report figures (`experiments.regression`) and the progress lines (`metrics.progress_line`),
+"""The report figures (`experiments.figures`) and the progress lines (`metrics.progress_line`),
 on small synthetic metrics histories."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from matplotlib.colors import to_hex
 
-from resconv_jax.experiments import regression
-from resconv_jax.metrics import progress_line
+from resconv_jax.experiments import figures
+from resconv_jax.runtime.metrics import progress_line
 
 
 def history(betas=(0.0, 0.5, 1.0), seeds=(0, 1), steps=range(0, 201, 10), layers=None):
@@ -51,7 +51,7 @@ def _colors(ax) -> set[str]:
 
 
 def test_training_colours_by_beta_and_marks_seeds():
-    fig = regression._training_figure(history(betas=(0.0, 0.5, 1.0), seeds=(0, 1)))
+    fig = figures.training_figure(history(betas=(0.0, 0.5, 1.0), seeds=(0, 1)))
     ax_loss, ax_sigma = fig.axes
     assert len(ax_loss.get_lines()) == 6 and len(_colors(ax_loss)) == 3
     assert {line.get_marker() for line in ax_loss.get_lines()} == {"o", "s"}
@@ -66,7 +66,7 @@ def test_training_colours_by_beta_and_marks_seeds():
 
 
 def test_training_with_many_seeds_draws_thin_lines_and_says_so():
-    fig = regression._training_figure(history(betas=(0.0, 1.0), seeds=range(7), layers=2))
+    fig = figures.training_figure(history(betas=(0.0, 1.0), seeds=range(7), layers=2))
     ax_loss = fig.axes[0]
     assert len(ax_loss.get_lines()) == 14 and len(_colors(ax_loss)) == 2
     assert {line.get_marker() for line in ax_loss.get_lines()} == {"None"}
@@ -76,8 +76,8 @@ def test_training_with_many_seeds_draws_thin_lines_and_says_so():
 
 def test_loss_by_beta_draws_the_threshold_and_an_early_window():
     lines = history(steps=range(0, 2001, 10))
-    rows, threshold = regression.beta_table(lines)
-    fig = regression._loss_by_beta_figure(lines, threshold)
+    rows, threshold = figures.beta_table(lines)
+    fig = figures.loss_by_beta_figure(lines, threshold)
     assert len(fig.axes) == 2  # every run reaches the threshold early: a zoomed second panel
     for ax in fig.axes:
         dashed = [line for line in ax.get_lines() if line.get_linestyle() == "--"]
@@ -92,19 +92,19 @@ def test_loss_by_beta_draws_the_threshold_and_an_early_window():
 
 def test_loss_by_beta_without_an_early_descent_has_one_panel():
     lines = history(steps=range(0, 201, 10))
-    _, threshold = regression.beta_table(lines)
-    assert len(regression._loss_by_beta_figure(lines, threshold).axes) == 1
+    _, threshold = figures.beta_table(lines)
+    assert len(figures.loss_by_beta_figure(lines, threshold).axes) == 1
 
 
 def test_write_reports_passes_the_table_threshold_to_loss_by_beta(tmp_path, monkeypatch):
     seen = []
-    original = regression.plot_loss_by_beta
+    original = figures.plot_loss_by_beta
     monkeypatch.setattr(
-        regression,
+        figures,
         "plot_loss_by_beta",
         lambda h, path, threshold=0.0: seen.append(threshold) or original(h, path, threshold),
     )
-    rows = regression.write_reports(tmp_path, history())
+    rows = figures.write_reports(tmp_path, history())
     assert seen == [rows[0]["threshold"]] and seen[0] > 0
     for name in ("training.png", "loss_by_beta.png", "sigma_by_beta.png", "beta_table.csv"):
         assert (tmp_path / name).stat().st_size > 0, name

@@ -203,23 +203,23 @@ def test_no_jacobian_sized_buffer(samples, width, hidden, out):
 
 
 def test_training_certificate_by_lanczos_equals_the_dense_one(tmp_path, capsys):
-    """J over theory.max_jacobian_entries: the trainer's certificate runs by Lanczos, says so in
-    one line, logs residuals, and (k ≥ n, float64) matches the dense certificate to 1e-6."""
+    """J over certificate.max_jacobian_entries: the trainer's certificate runs by Lanczos, says so
+    in one line, logs residuals, and (k ≥ n, float64) matches the dense certificate to 1e-6."""
     import os
 
     from resconv_jax import train
     from resconv_jax.config_defaults import load_config_file
-    from resconv_jax.metrics import read_metrics
+    from resconv_jax.runtime.metrics import read_metrics
 
     tiny = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.py")
     common = {
         "train.num_steps": 10,
-        "theory.every": 5,
+        "certificate.every": 5,
         "model.dtype": "float64",
         "probe.enabled": False,
         "train.async_checkpoints": False,
     }
-    lanczos = common | {"theory.max_jacobian_entries": 1, "theory.lanczos_iterations": 40}
+    lanczos = common | {"certificate.max_jacobian_entries": 1, "certificate.lanczos_iterations": 40}
     with jax.enable_x64(True):
         train.run(load_config_file(tiny, **common), str(tmp_path / "dense"))
         assert "Lanczos" not in capsys.readouterr().out

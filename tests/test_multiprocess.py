@@ -14,7 +14,7 @@ import time
 import pytest
 
 from launch import local
-from resconv_jax.metrics import METRICS_FILE
+from resconv_jax.runtime.metrics import METRICS_FILE
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 TINY = os.path.join(ROOT, "configs", "tiny.py")

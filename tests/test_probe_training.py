@@ -18,12 +18,12 @@ from jax.flatten_util import ravel_pytree
 
 from resconv_jax import sharding, train
 from resconv_jax.analysis import probe, theory
-from resconv_jax.checkpoint import Checkpointer
 from resconv_jax.config_defaults import load_config_file
 from resconv_jax.data import load_dataset
 from resconv_jax.errors import ConfigError
-from resconv_jax.metrics import read_metrics
 from resconv_jax.models import transformer
+from resconv_jax.runtime.checkpoint import Checkpointer
+from resconv_jax.runtime.metrics import read_metrics
 from resconv_jax.step import make_optimizer, make_step_functions
 from resconv_jax.sweep import expand_runs, run_hparams
 
@@ -278,7 +278,7 @@ def test_certificate_holds_while_step_size_below_one_over_lambda_max(tmp_path):
         **TINY_THEORY,
         **{
             "train.num_steps": 30,
-            "theory.every": 5,
+            "certificate.every": 5,
             "optim.lr_rule": "lambda_max",
             "optim.lr_factor": 0.5,
         },
@@ -339,7 +339,7 @@ def test_kernel_from_j_jt_and_jt_j_share_nonzero_eigenvalues():
 
 @pytest.mark.parametrize("lr", [0.01, 1.0], ids=["diverges-after-first-check", "diverges-at-once"])
 def test_divergence_message_names_stable_step_size(tmp_path, lr):
-    config = tiny(**{"optim.lr": lr, "train.num_steps": 100, "theory.every": 5})
+    config = tiny(**{"optim.lr": lr, "train.num_steps": 100, "certificate.every": 5})
     with pytest.raises(train.TrainingDiverged) as error:
         train.run(config, str(tmp_path))
     message = str(error.value)

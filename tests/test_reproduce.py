@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from resconv_jax.experiments import claims
-from resconv_jax.workdir import write_csv
+from resconv_jax.runtime.workdir import write_csv
 
 
 def _summary(folder, runs, config=None):
@@ -135,7 +135,7 @@ def test_sst2_ordering(tmp_path):
 
 @pytest.mark.slow
 def test_reproduce_tiny_writes_every_claim_and_knows_its_runs_finished(tmp_path):
-    from resconv_jax.experiments import reproduce
+    from resconv_jax import reproduce
 
     command = [sys.executable, "-m", "resconv_jax.reproduce", f"--workdir={tmp_path}",
                "--scale=tiny"]  # fmt: skip
@@ -186,17 +186,17 @@ def test_a_run_that_never_reaches_the_level_ranks_as_the_slowest():
 def test_the_descent_p_value_permutes_beta_within_seeds():
     from scipy import stats
 
-    from resconv_jax.experiments import descent
+    from resconv_jax.analysis import stats as stats_module
 
     rng = np.random.default_rng(0)
     x, y = rng.integers(0, 5, (30, 15)).astype(float), rng.integers(0, 9, 15).astype(float)
     expected = [stats.kendalltau(row, y).statistic for row in x]
-    np.testing.assert_allclose(descent._tau_b(x, y), expected, atol=1e-12)
+    np.testing.assert_allclose(stats_module.tau_b(x, y), expected, atol=1e-12)
     betas = np.tile([0, 0.25, 0.5, 0.75, 1], 3)
     seeds = np.repeat([0, 1, 2], 5)
     monotone = 100 - 50 * betas + seeds
-    assert descent.stratified_p_value(betas, monotone, seeds) < 0.001  # every seed in order
-    assert descent.stratified_p_value(betas, rng.permutation(monotone), seeds) > 0.05
+    assert stats_module.stratified_p_value(betas, monotone, seeds) < 0.001  # every seed in order
+    assert stats_module.stratified_p_value(betas, rng.permutation(monotone), seeds) > 0.05
 
 
 def _edit_loss(path, line_number: int) -> None:
@@ -209,7 +209,7 @@ def _edit_loss(path, line_number: int) -> None:
 
 
 def test_a_damaged_finished_run_is_resumed_not_reused(tmp_path):
-    from resconv_jax.experiments import reproduce
+    from resconv_jax import reproduce
 
     overrides = {"train.num_steps": 20, "train.checkpoint_every": 10, "sweep.beta": (0.0, 1.0),
                  "train.async_checkpoints": False, "probe.enabled": False}  # fmt: skip
@@ -235,9 +235,9 @@ def test_a_damaged_finished_run_is_resumed_not_reused(tmp_path):
 
 def test_a_second_reproduce_on_a_busy_folder_is_refused_at_once(tmp_path, capsys):
     """(`resconv_jax.reproduce` turns WorkdirBusy into its one line and exit status 3.)"""
+    from resconv_jax import reproduce
     from resconv_jax.errors import WorkdirBusy
-    from resconv_jax.experiments import reproduce
-    from resconv_jax.workdir import WorkdirLock
+    from resconv_jax.runtime.workdir import WorkdirLock
 
     holder = WorkdirLock(str(tmp_path))
     holder.acquire()
@@ -250,7 +250,7 @@ def test_a_second_reproduce_on_a_busy_folder_is_refused_at_once(tmp_path, capsys
 
 
 def test_the_readme_block_states_each_experiments_sizes(tmp_path):
-    from resconv_jax.experiments import reproduce
+    from resconv_jax import reproduce
 
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{reproduce.README_START}\nstale\n{reproduce.README_END}\nrest\n")

@@ -9,9 +9,9 @@ import time
 import pytest
 
 from resconv_jax import train
-from resconv_jax.checkpoint import Checkpointer
 from resconv_jax.config_defaults import load_config_file
-from resconv_jax.metrics import METRICS_FILE
+from resconv_jax.runtime.checkpoint import Checkpointer
+from resconv_jax.runtime.metrics import METRICS_FILE
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 TINY = os.path.join(ROOT, "configs", "tiny.py")

@@ -301,7 +301,7 @@ def test_sst2_config_trains_a_tiny_random_gpt2(tmp_path):
     """configs/sst2.py end to end on a tiny random GPT-2: metrics with errors, the per-β table."""
     from resconv_jax import experiments
     from resconv_jax.config_defaults import load_config_file
-    from resconv_jax.metrics import read_metrics
+    from resconv_jax.runtime.metrics import read_metrics
 
     config = load_config_file(
         os.path.join(os.path.dirname(__file__), "..", "configs", "sst2.py"),

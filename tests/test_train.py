@@ -12,10 +12,10 @@ from tensorboardX.proto import event_pb2
 from resconv_jax import experiments, runners, train
 from resconv_jax.config_defaults import load_config_file
 from resconv_jax.errors import ConfigError, WorkdirBusy
-from resconv_jax.experiments.report import write_run_report
-from resconv_jax.metrics import read_metrics
+from resconv_jax.experiments.run_report import write_run_report
 from resconv_jax.models import transformer
-from resconv_jax.workdir import WorkdirLock
+from resconv_jax.runtime.metrics import read_metrics
+from resconv_jax.runtime.workdir import WorkdirLock
 
 TINY = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.py")
 

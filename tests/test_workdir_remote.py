@@ -25,9 +25,9 @@ from resconv_jax import experiments, train
 from resconv_jax.config_defaults import load_config_file
 from resconv_jax.errors import ConfigError, WorkdirBusy, WorkdirWriteError
 from resconv_jax.experiments import rank_collapse
-from resconv_jax.metrics import MetricsWriter
+from resconv_jax.runtime.metrics import MetricsWriter
+from resconv_jax.runtime.workdir import WorkdirLock
 from resconv_jax.validation import check_workdir
-from resconv_jax.workdir import WorkdirLock
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 TINY = os.path.join(ROOT, "configs", "tiny.py")

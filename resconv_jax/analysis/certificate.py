@@ -1,7 +1,7 @@
 """The tangent-kernel certificate during training: λ_min, λ_max of K = J Jᵀ at checked steps,
 the linearized bound next to the measured contraction, and the lr_rule="lambda_max" step sizes.
 
-K is diagonalized exactly when J fits theory.max_jacobian_entries, else estimated by Lanczos
+K is diagonalized exactly when J fits certificate.max_jacobian_entries, else estimated by Lanczos
 (`analysis.lanczos`, J never formed), whose residuals are logged next to the eigenvalues."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 
 from resconv_jax.analysis import theory
 from resconv_jax.analysis.lanczos import tangent_kernel_lanczos
-from resconv_jax.multihost import to_host
+from resconv_jax.runtime.multihost import to_host
 
 
 def loss_scale(config, num_outputs: int) -> float:
@@ -22,8 +22,8 @@ def loss_scale(config, num_outputs: int) -> float:
 
 
 def jacobian_fits(config, num_outputs: int, num_params: int) -> bool:
-    """Whether J (outputs × the parameters of one run) fits theory.max_jacobian_entries."""
-    return num_outputs * num_params <= config.theory.max_jacobian_entries
+    """Whether J (outputs × the parameters of one run) fits certificate.max_jacobian_entries."""
+    return num_outputs * num_params <= config.certificate.max_jacobian_entries
 
 
 def lanczos_eigenvalues(predict, iterations: int):

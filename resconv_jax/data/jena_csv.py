@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import gzip
 import hashlib
 import io
@@ -19,7 +20,7 @@ import zlib
 
 import numpy as np
 
-from resconv_jax.errors import JenaDataError
+from resconv_jax.errors import JenaDataError, in_file
 
 JENA_COLUMNS: tuple[str, ...] = (
     "p (mbar)",
@@ -44,6 +45,7 @@ WIND_COLUMNS: tuple[str, ...] = ("wv (m/s)", "max. wv (m/s)")
 _DATE_LEN = 19  # len("01.01.2009 00:10:00")
 _DIGIT_POS = np.array([0, 1, 3, 4, 6, 7, 8, 9, 11, 12, 14, 15, 17, 18])
 _SEPARATORS = {2: ".", 5: ".", 10: " ", 13: ":", 16: ":", 19: ","}
+_in_file = functools.partial(in_file, JenaDataError)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,11 +79,6 @@ class JenaTable:
         )
 
 
-def _fail(name: str, problem: str, line: int | None = None) -> JenaDataError:
-    where = f"{name}: line {line}: " if line is not None else f"{name}: "
-    return JenaDataError((where + problem).replace("\n", " "))
-
-
 def git_blob_sha1(content: bytes) -> str:
     """The git blob id of `content` (what `git hash-object` prints)."""
     return hashlib.sha1(b"blob %d\0" % len(content) + content).hexdigest()
@@ -99,7 +96,7 @@ def check_sha256(path: str | os.PathLike, expected: str) -> None:
     """Raise unless the file's sha256 is `expected` (lower-case hex)."""
     got = file_sha256(path)
     if got != expected:
-        raise _fail(os.fspath(path), f"sha256 mismatch: expected {expected}, got {got}")
+        raise _in_file(os.fspath(path), f"sha256 mismatch: expected {expected}, got {got}")
 
 
 def zip_csv_member(zf: zipfile.ZipFile, name: str) -> str:
@@ -110,7 +107,7 @@ def zip_csv_member(zf: zipfile.ZipFile, name: str) -> str:
         if m.lower().endswith(".csv") and not m.startswith("__MACOSX/") and "/._" not in m
     ]
     if len(members) != 1:
-        raise _fail(name, f"expected one .csv file in the zip, found {members}")
+        raise _in_file(name, f"expected one .csv file in the zip, found {members}")
     return members[0]
 
 
@@ -121,9 +118,9 @@ def read_csv_bytes(path: str | os.PathLike) -> tuple[bytes, str]:
         with open(path, "rb") as f:
             raw = f.read()
     except FileNotFoundError:
-        raise _fail(name, "file not found") from None
+        raise _in_file(name, "file not found") from None
     except OSError as e:
-        raise _fail(name, f"cannot read file ({e.strerror or e})") from None
+        raise _in_file(name, f"cannot read file ({e.strerror or e})") from None
     try:
         if raw[:2] == b"\x1f\x8b":
             return gzip.decompress(raw), name
@@ -132,24 +129,24 @@ def read_csv_bytes(path: str | os.PathLike) -> tuple[bytes, str]:
                 member = zip_csv_member(zf, name)
                 return zf.read(member), f"{name}[{member}]"
     except (OSError, EOFError, zlib.error, zipfile.BadZipFile) as e:
-        raise _fail(name, f"corrupt compressed file ({e})") from None
+        raise _in_file(name, f"corrupt compressed file ({e})") from None
     return raw, name
 
 
 def _parse_header(line: str, name: str) -> tuple[str, ...]:
     fields = tuple(f.strip() for f in next(csv.reader([line])))
     if DATE_COLUMN not in fields:
-        raise _fail(name, f"missing required column {DATE_COLUMN!r}", 1)
+        raise _in_file(name, f"missing required column {DATE_COLUMN!r}", 1)
     if fields[0] != DATE_COLUMN:
-        raise _fail(name, f"{DATE_COLUMN!r} must be the first column, found {fields[0]!r}", 1)
+        raise _in_file(name, f"{DATE_COLUMN!r} must be the first column, found {fields[0]!r}", 1)
     columns = fields[1:]
     for col in columns:
         if col not in JENA_COLUMNS:
-            raise _fail(name, f"unknown column {col!r} (expected a subset of {JENA_COLUMNS})", 1)
+            raise _in_file(name, f"unknown column {col!r} (expected a subset of {JENA_COLUMNS})", 1)
     if len(set(columns)) != len(columns) or DATE_COLUMN in columns:
-        raise _fail(name, f"duplicated column in header {fields}", 1)
+        raise _in_file(name, f"duplicated column in header {fields}", 1)
     if TARGET_COLUMN not in columns:
-        raise _fail(name, f"missing required column {TARGET_COLUMN!r}", 1)
+        raise _in_file(name, f"missing required column {TARGET_COLUMN!r}", 1)
     return columns
 
 
@@ -173,7 +170,7 @@ def _parse_dates(rows: list[str], name: str) -> np.ndarray:
     if not ok.all():
         i = int(np.argmin(ok))
         field = rows[i].split(",", 1)[0][:40]
-        raise _fail(name, f"unparsable date {field!r} (expected dd.mm.yyyy HH:MM:SS)", i + 2)
+        raise _in_file(name, f"unparsable date {field!r} (expected dd.mm.yyyy HH:MM:SS)", i + 2)
     return days.astype(np.int64) * 86400 + hour * 3600 + minute * 60 + sec
 
 
@@ -190,14 +187,14 @@ def _parse_values(rows: list[str], columns: tuple[str, ...], name: str) -> np.nd
                 try:
                     float(field)
                 except ValueError:
-                    raise _fail(
+                    raise _in_file(
                         name, f"unparsable number {field[:40]!r} in {col!r}", i + 2
                     ) from None
-        raise _fail(name, f"unparsable numbers ({e})") from None
+        raise _in_file(name, f"unparsable numbers ({e})") from None
     finite = np.isfinite(values)
     if not finite.all():
         i, j = np.argwhere(~finite)[0]
-        raise _fail(name, f"non-finite value {values[i, j]} in {columns[j]!r}", int(i) + 2)
+        raise _in_file(name, f"non-finite value {values[i, j]} in {columns[j]!r}", int(i) + 2)
     return values
 
 
@@ -206,20 +203,20 @@ def parse_jena_csv(content: bytes, name: str) -> JenaTable:
     try:
         text = content.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise _fail(name, f"not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise _in_file(name, f"not UTF-8 text ({e.reason} at byte {e.start})") from None
     lines = text.replace("\r\n", "\n").split("\n")
     while lines and not lines[-1].strip():
         lines.pop()
     if not lines:
-        raise _fail(name, "empty file (no header, no data rows)")
+        raise _in_file(name, "empty file (no header, no data rows)")
     columns = _parse_header(lines[0], name)
     rows = lines[1:]
     if not rows:
-        raise _fail(name, "no data rows (header only)", 1)
+        raise _in_file(name, "no data rows (header only)", 1)
     commas = np.fromiter((r.count(",") for r in rows), np.int64, len(rows))
     if (commas != len(columns)).any():
         i = int(np.argmax(commas != len(columns)))
-        raise _fail(
+        raise _in_file(
             name, f"malformed row: {commas[i] + 1} fields, expected {len(columns) + 1}", i + 2
         )
     return JenaTable(
@@ -249,14 +246,14 @@ def check_order(table: JenaTable) -> tuple[JenaTable, np.ndarray]:
         j = int(first[np.searchsorted(uniq, ts[i])])
         if j == i:
             prev = int(np.argmax(ts[:i] > ts[i]))
-            raise _fail(
+            raise _in_file(
                 table.name,
                 f"timestamps out of order: {format_timestamp(ts[i])} comes after "
                 f"{format_timestamp(ts[prev])} (line {table.lines[prev]})",
                 int(table.lines[i]),
             )
         if not np.array_equal(table.values[i], table.values[j]):
-            raise _fail(
+            raise _in_file(
                 table.name,
                 f"duplicated timestamp {format_timestamp(ts[i])} with other values than "
                 f"line {table.lines[j]}",

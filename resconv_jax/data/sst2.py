@@ -35,7 +35,7 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors
 
 from resconv_jax.data.fields import int_field
-from resconv_jax.errors import SST2DataError
+from resconv_jax.errors import SST2DataError, in_file
 
 __all__ = [
     "EOS_ID",
@@ -77,12 +77,8 @@ BUNDLED_SHA256 = {
 _SHOWN = 40  # characters of a bad field quoted in a message
 
 
+_in_file = functools.partial(in_file, SST2DataError)
 _int_field = functools.partial(int_field, error=SST2DataError, label="sst2")
-
-
-def _fail(name: str, problem: str, line: int | None = None) -> SST2DataError:
-    where = f"{name}: line {line}: " if line is not None else f"{name}: "
-    return SST2DataError((where + problem).replace("\n", " "))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,13 +171,13 @@ def read_tsv_bytes(path: str | Path) -> tuple[bytes, str]:
     try:
         raw = Path(path).read_bytes()
     except OSError as e:
-        raise _fail(name, f"cannot read ({e.strerror or e})") from None
+        raise _in_file(name, f"cannot read ({e.strerror or e})") from None
     if raw[:2] != b"\x1f\x8b":
         return raw, name
     try:
         return gzip.decompress(raw), name
     except (OSError, EOFError, zlib.error) as e:
-        raise _fail(name, f"corrupt gzip data ({e})") from None
+        raise _in_file(name, f"corrupt gzip data ({e})") from None
 
 
 def _decode(content: bytes, name: str) -> str:
@@ -189,7 +185,7 @@ def _decode(content: bytes, name: str) -> str:
         return content.decode("utf-8")
     except UnicodeDecodeError as e:
         line = content.count(b"\n", 0, e.start) + 1
-        raise _fail(name, f"not UTF-8 text ({e.reason} at byte {e.start})", line) from None
+        raise _in_file(name, f"not UTF-8 text ({e.reason} at byte {e.start})", line) from None
 
 
 def _parse_row(row: str, name: str, line: int) -> tuple[str, int]:
@@ -197,12 +193,12 @@ def _parse_row(row: str, name: str, line: int) -> tuple[str, int]:
     fields = row.split("\t")
     if len(fields) != 2:
         problem = "no tab" if len(fields) == 1 else f"{len(fields)} tab-separated fields"
-        raise _fail(name, f"{problem}, expected 'sentence<TAB>label': {row[:_SHOWN]!r}", line)
+        raise _in_file(name, f"{problem}, expected 'sentence<TAB>label': {row[:_SHOWN]!r}", line)
     sentence, label = fields[0].strip(), fields[1].strip()
     if label not in ("0", "1"):
-        raise _fail(name, f"label {label[:_SHOWN]!r}, expected 0 or 1", line)
+        raise _in_file(name, f"label {label[:_SHOWN]!r}, expected 0 or 1", line)
     if not sentence:
-        raise _fail(name, "empty sentence", line)
+        raise _in_file(name, "empty sentence", line)
     return sentence, int(label)
 
 
@@ -212,11 +208,11 @@ def parse_sst2_tsv(content: bytes, name: str) -> SST2Table:
     while lines and not lines[-1].strip():
         lines.pop()
     if not lines:
-        raise _fail(name, "empty file (no header, no data rows)")
+        raise _in_file(name, "empty file (no header, no data rows)")
     if lines[0].rstrip("\r") != HEADER:
-        raise _fail(name, f"missing header {HEADER!r}, got {lines[0][:_SHOWN]!r}", 1)
+        raise _in_file(name, f"missing header {HEADER!r}, got {lines[0][:_SHOWN]!r}", 1)
     if len(lines) == 1:
-        raise _fail(name, "no data rows (header only)", 1)
+        raise _in_file(name, "no data rows (header only)", 1)
     rows = [_parse_row(row, name, i) for i, row in enumerate(lines[1:], start=2)]
     return SST2Table(
         name=name,
@@ -232,7 +228,7 @@ def split_file(folder: str | Path, split: str) -> Path:
     found = [p for p in (base, base.with_name(base.name + ".gz")) if p.is_file()]
     if len(found) != 1:
         problem = "both" if found else "neither"
-        raise _fail(str(folder), f"{problem} of {base.name} and {base.name}.gz found (need one)")
+        raise _in_file(str(folder), f"{problem} of {base.name} and {base.name}.gz found (need one)")
     return found[0]
 
 
@@ -268,14 +264,14 @@ def _parse_vocab_merges(vocab_text: bytes, merges_text: bytes, name: str):
     try:
         vocab = json.loads(vocab_text)
     except ValueError as e:
-        raise _fail(f"{name}/vocab.json", f"not a JSON vocabulary ({e})") from None
+        raise _in_file(f"{name}/vocab.json", f"not a JSON vocabulary ({e})") from None
     merges = []
     for i, row in enumerate(_decode(merges_text, f"{name}/merges.txt").split("\n"), start=1):
         if not row or (i == 1 and row.startswith("#version")):
             continue
         pair = row.split(" ")
         if len(pair) != 2:
-            raise _fail(f"{name}/merges.txt", f"expected 'left right', got {row[:_SHOWN]!r}", i)
+            raise _in_file(f"{name}/merges.txt", f"expected 'left right', got {row[:_SHOWN]!r}", i)
         merges.append((pair[0], pair[1]))
     return vocab, merges
 
@@ -292,9 +288,9 @@ def gpt2_tokenizer(tokenizer_dir: str = "") -> tokenizers.Tokenizer:
             return tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
         except Exception as e:  # tokenizers raises its own Exception type
             problem = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise _fail(str(folder / "tokenizer.json"), f"not a tokenizer ({problem})") from None
+            raise _in_file(str(folder / "tokenizer.json"), f"not a tokenizer ({problem})") from None
     if not ((folder / "vocab.json").is_file() and (folder / "merges.txt").is_file()):
-        raise _fail(tokenizer_dir, "no tokenizer.json, nor vocab.json and merges.txt")
+        raise _in_file(tokenizer_dir, "no tokenizer.json, nor vocab.json and merges.txt")
     texts = [read_tsv_bytes(folder / n)[0] for n in ("vocab.json", "merges.txt")]
     return _bpe_tokenizer(*_parse_vocab_merges(*texts, tokenizer_dir))
 
@@ -318,7 +314,7 @@ def tokenize(tok: tokenizers.Tokenizer, sentences, max_tokens: int):
 def select_train_rows(num_rows: int, num_train: int, seed: int, name: str) -> np.ndarray:
     """(P,) row indices: the first P of a seeded permutation of the N rows (-1: all N)."""
     if num_train > num_rows:
-        raise _fail(name, f"num_train={num_train} but the file has only {num_rows} rows")
+        raise _in_file(name, f"num_train={num_train} but the file has only {num_rows} rows")
     perm = np.random.default_rng(seed).permutation(num_rows)
     return perm if num_train == -1 else perm[:num_train]
 
@@ -354,7 +350,7 @@ def make_splits(train: SST2Table, dev: SST2Table, cfg: Any, source: str = "") ->
     t = c["max_tokens"]
     picked = train.take(select_train_rows(len(train), c["num_train"], c["seed"], train.name))
     if c["num_val"] > len(dev):
-        raise _fail(dev.name, f"num_val={c['num_val']} but the file has only {len(dev)} rows")
+        raise _in_file(dev.name, f"num_val={c['num_val']} but the file has only {len(dev)} rows")
     val = dev if c["num_val"] == -1 else dev.take(np.arange(c["num_val"]))
     tok = gpt2_tokenizer(c["tokenizer_dir"])
     ids_train, mask_train, len_train = tokenize(tok, picked.sentences, t)

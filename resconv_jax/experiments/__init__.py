@@ -18,7 +18,9 @@ def run(config, workdir: str) -> list[dict]:
 
         rank_collapse.run(config, workdir)
         return []
-    from resconv_jax.experiments.report import write_run_report  # its own CLI too: imported late
+    from resconv_jax.experiments.run_report import (
+        write_run_report,  # its own CLI too: imported late
+    )
 
     summaries = train.run(config, workdir)
     if jax.process_index() == 0:

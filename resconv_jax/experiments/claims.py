@@ -12,8 +12,8 @@ import dataclasses
 import json
 import math
 
-from resconv_jax import workdir as wd
 from resconv_jax.experiments import descent
+from resconv_jax.runtime import workdir as wd
 
 HOLDS, FAILS, NOT_RUN = "holds", "fails", "not run"
 
@@ -155,7 +155,7 @@ def certificate(workdir) -> Claim:
 def _lr_below_one_over_lambda_max(workdir) -> bool:
     """η ≤ 1/(λ_max(K)·loss_scale) at step 0 for every run, i.e. η ≤ ntk/stable_lr / 2 (the loop's
     own loss scale); False when a run has no kernel at step 0."""
-    from resconv_jax.metrics import read_metrics
+    from resconv_jax.runtime.metrics import read_metrics
 
     first = [line for line in read_metrics(workdir) if line["step"] == 0]
     return bool(first) and all(

@@ -15,10 +15,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from resconv_jax import workdir as wd  # noqa: E402
 from resconv_jax.analysis.summary import series  # noqa: E402
-from resconv_jax.experiments.regression import _beta_label, _group_key, _runs, save_figure  # noqa: E402
-from resconv_jax.workdir import write_csv  # noqa: E402
+from resconv_jax.experiments.figures import beta_label, first_lines, group_key, save_figure  # noqa: E402
+from resconv_jax.runtime import workdir as wd  # noqa: E402
+from resconv_jax.runtime.workdir import write_csv  # noqa: E402
 
 LAYER_KEYS = ("z/sigma_min_over_fro", "z/collapse_residual", "attn/collapse_residual")
 
@@ -26,10 +26,10 @@ LAYER_KEYS = ("z/sigma_min_over_fro", "z/collapse_residual", "attn/collapse_resi
 def plot_errors(history: list[dict], path: str) -> None:
     """Training loss (log scale) and training error (—) / validation error (⋯) against step."""
     fig, (ax_loss, ax_error) = plt.subplots(1, 2, figsize=(11, 4.2))
-    runs = _runs(history)
+    runs = first_lines(history)
     colors = plt.cm.viridis(np.linspace(0, 0.9, max(len(runs), 1)))
     for color, run in zip(colors, runs, strict=True):
-        label = f"{_beta_label(run)}, seed {run['seed']}"
+        label = f"{beta_label(run)}, seed {run['seed']}"
         ax_loss.semilogy(*series(history, run["run"], "loss"), color=color, label=label)
         ax_error.plot(*series(history, run["run"], "error"), color=color, label=label)
         steps, val = series(history, run["run"], "val_error")
@@ -45,10 +45,10 @@ def plot_errors(history: list[dict], path: str) -> None:
 def accuracy_rows(history: list[dict]) -> list[dict]:
     """One row per (L, β_a, β_f): final training error and validation accuracy, mean over seeds."""
     groups: dict[tuple, list[dict]] = {}
-    for run in _runs(history):
+    for run in first_lines(history):
         error = series(history, run["run"], "error")[1]
         val = series(history, run["run"], "val_error")[1]
-        groups.setdefault(_group_key(run), []).append(
+        groups.setdefault(group_key(run), []).append(
             {
                 "final_error": error[-1] if error.size else np.nan,
                 "final_val_accuracy": 1.0 - val[-1] if val.size else np.nan,
@@ -67,7 +67,7 @@ def accuracy_rows(history: list[dict]) -> list[dict]:
 def layer_rows(history: list[dict]) -> list[dict]:
     """One row per run and layer: LAYER_KEYS at the first and the last probed step."""
     rows = []
-    for run in _runs(history):
+    for run in first_lines(history):
         for layer in range(run.get("num_layers", 1) or 1):
             row = {"run": run["run"], "num_layers": run.get("num_layers", 0), "layer": layer}
             row |= {"beta_attn": run["beta_attn"], "seed": run["seed"]}

@@ -16,12 +16,12 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from scipy import stats
 
-from resconv_jax import workdir as wd
+from resconv_jax.analysis.stats import log_slope, spearman
 from resconv_jax.analysis.summary import FIT_FLOOR, fit_rate, series
-from resconv_jax.experiments.regression import plt, save_figure
-from resconv_jax.workdir import write_csv
+from resconv_jax.experiments.figures import plt, save_figure
+from resconv_jax.runtime import workdir as wd
+from resconv_jax.runtime.workdir import write_csv
 
 Z_MIN, Z_MAX = "layer0/z/sigma_min", "layer0/z/sigma_max"
 
@@ -66,24 +66,6 @@ def run_rows(history: list[dict], loss_scale: float = 1.0, floor: float = FIT_FL
             }
         )
     return rows
-
-
-def spearman(x, y) -> float:
-    """Spearman's rank correlation over the pairs where both are finite (NaN with < 3)."""
-    x, y = np.asarray(x, float), np.asarray(y, float)
-    keep = np.isfinite(x) & np.isfinite(y)
-    if keep.sum() < 3:
-        return math.nan
-    return float(stats.spearmanr(x[keep], y[keep]).statistic)
-
-
-def log_slope(x, y) -> float:
-    """Least-squares slope of log y against log x over the positive finite pairs."""
-    x, y = np.asarray(x, float), np.asarray(y, float)
-    keep = np.isfinite(x) & np.isfinite(y) & (x > 0) & (y > 0)
-    if keep.sum() < 3:
-        return math.nan
-    return float(np.polyfit(np.log(x[keep]), np.log(y[keep]), 1)[0])
 
 
 def width_table(rows: list[dict], num_tokens: int | None = None) -> list[dict]:

@@ -15,11 +15,11 @@ import math
 import numpy as np
 from matplotlib.lines import Line2D
 
-from resconv_jax import workdir as wd
+from resconv_jax.analysis.stats import spearman
 from resconv_jax.analysis.summary import FIT_FLOOR, fit_rate, series
-from resconv_jax.experiments.conditioning import spearman
-from resconv_jax.experiments.regression import plt, save_figure
-from resconv_jax.workdir import write_csv
+from resconv_jax.experiments.figures import plt, save_figure
+from resconv_jax.runtime import workdir as wd
+from resconv_jax.runtime.workdir import write_csv
 
 
 def _layer_ratio_sq(line: dict, layer: int) -> float:

@@ -17,11 +17,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from scipy import stats
 
-from resconv_jax import workdir as wd
-from resconv_jax.experiments.regression import plt, save_figure
-from resconv_jax.workdir import write_csv
+from resconv_jax.analysis.stats import kendall, stratified_p_value
+from resconv_jax.experiments.figures import plt, save_figure
+from resconv_jax.runtime import workdir as wd
+from resconv_jax.runtime.workdir import write_csv
 
 FRACTIONS = (0.5, 0.2)  # f in "steps until L_t <= f·L_0"; HEADLINE is the one the claim uses
 HEADLINE = 0.2
@@ -48,16 +48,6 @@ def steps_to_fraction(losses: np.ndarray, fraction: float) -> float:
     return float(below[0]) if below.size else math.nan
 
 
-def kendall(x, y) -> tuple[float, float]:
-    """(τ-b, two-sided p-value) over the pairs where both are finite; NaNs with < 3 pairs."""
-    x, y = np.asarray(x, float), np.asarray(y, float)
-    keep = np.isfinite(x) & np.isfinite(y)
-    if keep.sum() < 3:
-        return math.nan, math.nan
-    result = stats.kendalltau(x[keep], y[keep])
-    return float(result.statistic), float(result.pvalue)
-
-
 def descent_rows(history: list[dict]) -> list[dict]:
     """One row per run: settings, L_0, the window length and steps to f·L_0 for each f."""
     rows = []
@@ -78,31 +68,6 @@ def _censored_steps(row: dict, key: str, window: int) -> float:
     get there within its window: it is slower than every run that did, so it ranks last, tied
     with the others that did not."""
     return row[key] if np.isfinite(row[key]) else float(window)
-
-
-def _tau_b(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Kendall's τ-b of each row of x (K, n) against y (n,) (scipy's statistic, vectorized)."""
-    dx = np.sign(x[:, :, None] - x[:, None, :])
-    dy = np.sign(y[:, None] - y[None, :])
-    upper = np.triu(np.ones(dy.shape, bool), 1)
-    concordance = (dx * dy)[:, upper].sum(axis=1)
-    pairs_x = (dx[:, upper] != 0).sum(axis=1)
-    pairs_y = (dy[upper] != 0).sum()
-    return concordance / np.sqrt(np.maximum(pairs_x * pairs_y, 1))
-
-
-def stratified_p_value(betas, steps, seeds, *, permutations: int = 5000) -> float:
-    """Two-sided p-value of the pooled Kendall τ under permutations of β within each seed (the
-    runs of one seed share their initial weights, so only β is exchangeable there)."""
-    betas, steps, seeds = (np.asarray(v, float) for v in (betas, steps, seeds))
-    observed = abs(_tau_b(betas[None], steps)[0])
-    rng = np.random.default_rng(0)
-    shuffled = np.repeat(betas[None], permutations, axis=0)
-    for seed in np.unique(seeds):
-        group = np.flatnonzero(seeds == seed)
-        shuffled[:, group] = rng.permuted(shuffled[:, group], axis=1)
-    hits = np.sum(np.abs(_tau_b(shuffled, steps)) >= observed - 1e-12)
-    return float((hits + 1) / (permutations + 1))
 
 
 def ordering(rows: list[dict], fraction: float = HEADLINE) -> dict:

@@ -32,13 +32,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from resconv_jax import workdir as wd
 from resconv_jax.analysis import probe
 from resconv_jax.analysis.linalg import eps_relative_to_float32, small_batches
 from resconv_jax.errors import ConfigError
 from resconv_jax.models import transformer
+from resconv_jax.runtime import workdir as wd
+from resconv_jax.runtime.workdir import WorkdirLock, make_folder, write_csv, write_json, write_png
 from resconv_jax.validation import CHOICES, check_workdir, validate_config
-from resconv_jax.workdir import WorkdirLock, make_folder, write_csv, write_json, write_png
 
 CSV_FILE = "rank_collapse.csv"
 SEEDS_CSV_FILE = "rank_collapse_seeds.csv"

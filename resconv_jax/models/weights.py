@@ -34,7 +34,7 @@ import safetensors
 from absl import logging
 from flax import nnx, traverse_util
 
-from resconv_jax.errors import WeightsError, WeightsNotFound
+from resconv_jax.errors import WeightsError, WeightsNotFound, one_line
 from resconv_jax.models import gpt2
 
 FOLDER_OPTION = "--config.model.weights=FOLDER"
@@ -109,7 +109,7 @@ def _hub_unreachable(timeout: float = HUB_TIMEOUT_S) -> str | None:
             socket.create_connection((host, 443), timeout=timeout).close()
             outcome.append(None)
         except OSError as error:
-            outcome.append(f"{type(error).__name__}: {_one_line(error)}")
+            outcome.append(f"{type(error).__name__}: {one_line(error)}")
 
     thread = threading.Thread(target=connect, daemon=True)
     thread.start()
@@ -172,11 +172,11 @@ def _hub_folder(repo_id: str, cache_dir: str | None) -> Path:
         huggingface_hub.get_hf_file_metadata(url, timeout=10)
         return _download(repo_id, cache_dir, local_files_only=False)
     except huggingface_hub.errors.HfHubHTTPError as error:
-        raise WeightsError(f"GPT-2 weights {repo_id!r}: {_one_line(error)}; {use_folder}") from None
+        raise WeightsError(f"GPT-2 weights {repo_id!r}: {one_line(error)}; {use_folder}") from None
     except Exception as error:  # no network, no DNS, a timeout: all mean "offline" here
         raise WeightsNotFound(
             f"{not_found} and the hub is unreachable ({type(error).__name__}: "
-            f"{_one_line(error)}); {use_folder}"
+            f"{one_line(error)}); {use_folder}"
         ) from None
 
 
@@ -190,10 +190,6 @@ def _download(repo_id: str, cache_dir: str | None, *, local_files_only: bool) ->
     return Path(paths[0]).parent
 
 
-def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split())
-
-
 def _load_folder(
     folder: Path, num_layers: int, num_classes: int, seed: int, shape: dict, dtype: str
 ) -> tuple[gpt2.GPT2Config, nnx.GraphDef, dict]:
@@ -205,7 +201,7 @@ def _load_folder(
         hf_config = json.loads((folder / CONFIG_FILE).read_text())
         cfg = gpt2.GPT2Config.from_hf_config(hf_config, num_layers, num_classes, dtype)
     except (OSError, ValueError) as error:  # json's errors are ValueErrors
-        raise WeightsError(f"{folder / CONFIG_FILE}: {_one_line(error)}") from None
+        raise WeightsError(f"{folder / CONFIG_FILE}: {one_line(error)}") from None
     _check_shape_agrees(shape, hf_config, folder)
     abstract = nnx.eval_shape(lambda: gpt2.GPT2Classifier(cfg, rngs=gpt2.make_rngs(seed)))
     graphdef, state = nnx.split(abstract)
@@ -244,7 +240,7 @@ def _read_body(path: Path, model_shapes: dict, cfg: gpt2.GPT2Config) -> dict[str
                 dest: jnp.asarray(file.get_tensor(key), cfg.dtype) for dest, key in plan.items()
             }
     except (OSError, safetensors.SafetensorError) as error:
-        raise WeightsError(f"cannot read GPT-2 weights {path}: {_one_line(error)}") from None
+        raise WeightsError(f"cannot read GPT-2 weights {path}: {one_line(error)}") from None
 
 
 def _model_path(name: str) -> str | None:

@@ -37,7 +37,6 @@ import time
 
 from etils import epath
 
-from resconv_jax.config_defaults import base_config
 from resconv_jax.errors import ConfigError, WorkdirBusy, WorkdirWriteError
 
 CONFIG_FILE = "config.json"
@@ -342,13 +341,14 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
-def check_same_run(workdir: str, saved: dict, current: dict, where: str) -> None:
+def check_same_run(workdir: str, saved: dict, current: dict, where: str, defaults: dict) -> None:
     """Raises ConfigError unless `current` may resume the run that `saved` (config JSON) started.
 
     Only RESUMABLE_CHANGES may differ. A field that `saved` lacks (added since the run started)
-    took its `base_config()` default there, if `current` has it. `where` names the saved copy.
+    took its `defaults` value (the base config's JSON) there, if `current` has it. `where` names
+    the saved copy.
     """
-    defaults = _flatten(json.loads(base_config().to_json_best_effort()))
+    defaults = _flatten(defaults)
     saved, current = _flatten(saved), _flatten(current)
     saved = {k: v for k, v in defaults.items() if k in current} | saved
     changed = [

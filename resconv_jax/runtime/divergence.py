@@ -14,8 +14,6 @@ from collections.abc import Callable
 
 import numpy as np
 
-from resconv_jax.analysis import theory
-
 
 def diverging_runs(losses: np.ndarray) -> np.ndarray:
     """Indices of the runs with a non-finite loss in `losses` (steps, R)."""
@@ -49,13 +47,13 @@ def diverged_message(
     history: list[dict],
     checkpoint_steps: list[int],
     directory: str,
-    lambda_max: Callable[[], tuple[np.ndarray, str]],
-    loss_scale: float,
+    stable_lrs: Callable[[], tuple[np.ndarray, str]],
     sweeps_lr: bool,
 ) -> str:
     """The one-line report of a divergence in the chunk that starts at `step`.
 
-    losses: (steps, R) of the chunk. lambda_max() -> ((R,) λ_max(K), where it comes from).
+    losses: (steps, R) of the chunk. stable_lrs() -> ((R,) stable step sizes 2/λ_max(K) on the
+    task's loss, where λ_max comes from).
     """
     bad = diverging_runs(losses)
     offset, first = (int(v) for v in np.argwhere(~np.isfinite(losses))[0])
@@ -75,8 +73,8 @@ def diverged_message(
         )
     else:
         text += "no checkpoint yet; "
-    lam, source = lambda_max()
-    stable = theory.stable_lr(np.asarray(lam, float)[bad], loss_scale=loss_scale)
+    stable, source = stable_lrs()
+    stable = np.asarray(stable, float)[bad]
     worst = runs[int(bad[np.argmin(stable)])].index
     suggestion = 0.5 * float(np.min(stable))
     option = "--config.sweep.lr values at most " if sweeps_lr else "--config.optim.lr="

@@ -25,8 +25,8 @@ from tensorboardX.event_file_writer import EventsWriter
 from tensorboardX.proto.event_pb2 import Event
 from tensorboardX.proto.summary_pb2 import Summary
 
-from resconv_jax import workdir as wd
-from resconv_jax.workdir import atomic_open, writing
+from resconv_jax.runtime import workdir as wd
+from resconv_jax.runtime.workdir import atomic_open, writing
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"

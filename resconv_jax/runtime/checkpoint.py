@@ -20,10 +20,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
-from resconv_jax import workdir as wd
 from resconv_jax.errors import WorkdirWriteError
-from resconv_jax.multihost import to_host
-from resconv_jax.workdir import describe_os_error
+from resconv_jax.runtime import workdir as wd
+from resconv_jax.runtime.multihost import to_host
+from resconv_jax.runtime.workdir import describe_os_error
 
 
 def _fmix32(h: jax.Array) -> jax.Array:

@@ -1,16 +1,16 @@
-"""python -m resconv_jax.experiments.report WORKDIR: one line and main's exit statuses for every
+"""python -m resconv_jax.experiments.run_report WORKDIR: one line and main's exit statuses for every
 input that is not a finished or running run's folder."""
 
 import json
 
 import pytest
 
-from resconv_jax.experiments import report
-from resconv_jax.workdir import WorkdirLock
+from resconv_jax.experiments import run_report as cli
+from resconv_jax.runtime.workdir import WorkdirLock
 
 
 def run_report(capsys, *args) -> tuple[int, str, str]:
-    status = report.main(["report", *map(str, args)])
+    status = cli.main(["run_report", *map(str, args)])
     out, err = capsys.readouterr()
     return status, out, err
 
@@ -44,7 +44,7 @@ def test_bad_input_is_one_line_status_2(tmp_path, capsys, make, status, expected
 def test_no_argument_is_status_2_and_help_is_0(capsys):
     assert run_report(capsys)[0] == 2
     code, out, _ = run_report(capsys, "--help")
-    assert code == 0 and out.startswith("usage: python -m resconv_jax.experiments.report")
+    assert code == 0 and out.startswith("usage: python -m resconv_jax.experiments.run_report")
 
 
 def test_a_running_workdir_is_status_3_naming_the_holder(tmp_path, capsys):

@@ -1,5 +1,5 @@
 """Figures and the per-β table of a run directory, from its metrics lines (every task that trains:
-theory, Jena, SST-2). Written by `experiments.report` at the end of a run.
+theory, Jena, SST-2). Written by `experiments.run_report` at the end of a run.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
-from resconv_jax import workdir as wd  # noqa: E402
 from resconv_jax.analysis.summary import FIT_FLOOR, fit_rate, series  # noqa: E402
-from resconv_jax.workdir import write_csv, write_png  # noqa: E402
+from resconv_jax.runtime import workdir as wd  # noqa: E402
+from resconv_jax.runtime.workdir import write_csv, write_png  # noqa: E402
 
 Z_FRO = "layer0/z/sigma_min_over_fro"
 
@@ -25,14 +25,14 @@ def save_figure(fig, path, dpi: int = 110) -> None:
     plt.close(fig)
 
 
-def _runs(history: list[dict]) -> list[dict]:
+def first_lines(history: list[dict]) -> list[dict]:
     first = {}
     for line in history:
         first.setdefault(line["run"], line)
     return [first[r] for r in sorted(first)]
 
 
-def _beta_label(line: dict) -> str:
+def beta_label(line: dict) -> str:
     depth = f"L={line['num_layers']}, " if "num_layers" in line else ""
     depth += f"d={line['dim']}, " if "dim" in line else ""
     if line["beta_attn"] == line["beta_ffn"]:
@@ -40,13 +40,13 @@ def _beta_label(line: dict) -> str:
     return f"{depth}β_a={line['beta_attn']:g}, β_f={line['beta_ffn']:g}"
 
 
-def _group_key(line: dict) -> tuple:
+def group_key(line: dict) -> tuple:
     """(L or 0, d or 0, β_a, β_f): the runs (seeds) that share these are one row of the table."""
     return line.get("num_layers", 0), line.get("dim", 0), line["beta_attn"], line["beta_ffn"]
 
 
-def _group_colors(keys) -> dict[tuple, np.ndarray]:
-    """One colour per β group (`_group_key`), along a sequential colormap in the keys' order."""
+def group_colors(keys) -> dict[tuple, np.ndarray]:
+    """One colour per β group (`group_key`), along a sequential colormap in the keys' order."""
     keys = sorted(set(keys))
     colors = plt.cm.viridis(np.linspace(0, 0.9, max(len(keys), 1)))
     return dict(zip(keys, colors, strict=False))
@@ -56,16 +56,16 @@ MAX_SEED_MARKERS = 5
 SEED_MARKERS = "os^Dv"
 
 
-def _training_figure(history: list[dict]):
+def training_figure(history: list[dict]):
     """The figure of `plot_training` (not saved)."""
-    runs = _runs(history)
-    colors = _group_colors(_group_key(run) for run in runs)
+    runs = first_lines(history)
+    colors = group_colors(group_key(run) for run in runs)
     seeds = sorted({run["seed"] for run in runs})
     marked = 1 < len(seeds) <= MAX_SEED_MARKERS  # a marker per seed; more seeds: thin lines
     thin = len(seeds) > MAX_SEED_MARKERS
     fig, (ax_loss, ax_sigma) = plt.subplots(1, 2, figsize=(12, 4.6))
     for run in runs:
-        style = {"color": colors[_group_key(run)], "lw": 0.8 if thin else 1.4}
+        style = {"color": colors[group_key(run)], "lw": 0.8 if thin else 1.4}
         if thin:
             style["alpha"] = 0.7
         if marked:
@@ -81,11 +81,11 @@ def _training_figure(history: list[dict]):
                 if values.size:
                     ax_sigma.semilogy(steps, values, linestyle=line, **style)
     if len(seeds) > 1:
-        _sigma_summary(ax_sigma, history, runs, colors)
+        sigma_summary(ax_sigma, history, runs, colors)
     beta_handles = [
-        Line2D([], [], color=color, lw=2, label=_beta_label(run))
+        Line2D([], [], color=color, lw=2, label=beta_label(run))
         for key, color in colors.items()
-        for run in [next(r for r in runs if _group_key(r) == key)]
+        for run in [next(r for r in runs if group_key(r) == key)]
     ]
     outside = len(beta_handles) > 4  # beside the panels, so that no legend covers a curve
     if outside:
@@ -117,11 +117,11 @@ def _training_figure(history: list[dict]):
     return fig
 
 
-def _sigma_summary(ax, history: list[dict], runs: list[dict], colors: dict) -> None:
+def sigma_summary(ax, history: list[dict], runs: list[dict], colors: dict) -> None:
     """Per β group: the median over its runs (seeds) of σ_min(Z) (solid, with its min–max band)
     and of σ_min(Attn(X)) (dotted), against step: one line per group, not per run."""
     for key, color in colors.items():
-        members = [r["run"] for r in runs if _group_key(r) == key]
+        members = [r["run"] for r in runs if group_key(r) == key]
         for name, line in (("layer0/z/sigma_min", "-"), ("layer0/attn/sigma_min", ":")):
             curves = [series(history, run, name) for run in members]
             if not curves or not curves[0][1].size:
@@ -136,7 +136,7 @@ def _sigma_summary(ax, history: list[dict], runs: list[dict], colors: dict) -> N
 def plot_training(history: list[dict], path: str) -> None:
     """Log-loss against step per run, and σ_min of Z and of Attn(X) (layer 0) against step:
     colour by β (and depth), marker by seed (thin lines for many seeds)."""
-    save_figure(_training_figure(history), path)
+    save_figure(training_figure(history), path)
 
 
 def steps_to_threshold(steps: np.ndarray, losses: np.ndarray, threshold: float) -> float:
@@ -157,7 +157,7 @@ def beta_table(
     every run reaches. `floor`: the rate fit's, as in `summary.fit_rate`. Returns (rows, the
     threshold used).
     """
-    runs = _runs(history)
+    runs = first_lines(history)
     finals = {r["run"]: series(history, r["run"], "loss")[1][-1] for r in runs}
     threshold = threshold or 1.5 * max(finals.values())
     groups: dict[tuple, list[dict]] = {}
@@ -166,7 +166,7 @@ def beta_table(
         val = series(history, run["run"], "val_loss")[1]
         fro = series(history, run["run"], Z_FRO)[1]
         rate, _ = fit_rate(steps, losses, floor)
-        groups.setdefault(_group_key(run), []).append(
+        groups.setdefault(group_key(run), []).append(
             {
                 "final_loss": losses[-1],
                 "final_val_loss": val[-1] if val.size else np.nan,
@@ -190,17 +190,17 @@ def beta_table(
     return rows, threshold
 
 
-def _loss_by_beta_figure(history: list[dict], threshold: float):
+def loss_by_beta_figure(history: list[dict], threshold: float):
     """The figure of `plot_loss_by_beta` (not saved)."""
     curves: dict[tuple, list[np.ndarray]] = {}
     labels, steps, reached = {}, None, []
-    for run in _runs(history):
+    for run in first_lines(history):
         steps, losses = series(history, run["run"], "loss")
-        curves.setdefault(_group_key(run), []).append(losses)
-        labels.setdefault(_group_key(run), _beta_label(run))
+        curves.setdefault(group_key(run), []).append(losses)
+        labels.setdefault(group_key(run), beta_label(run))
         if threshold:
             reached.append(steps_to_threshold(steps, losses, threshold))
-    colors = _group_colors(curves)
+    colors = group_colors(curves)
     # The early window: twice the last step at which a run first reaches the threshold, drawn
     # when that is at most 40 % of the run (else the full panel shows the crossings as well).
     reached = np.array(reached, float)
@@ -250,10 +250,10 @@ def plot_loss_by_beta(history: list[dict], path: str, threshold: float = 0.0) ->
     `threshold` (if not 0), the level of the table's steps to threshold, dashed. When the runs
     all reach it within the first 20 % of the steps, a second panel shows the first steps (twice
     the step at which the last of them does)."""
-    save_figure(_loss_by_beta_figure(history, threshold), path)
+    save_figure(loss_by_beta_figure(history, threshold), path)
 
 
-def _sigma_axis(rows: list[dict]) -> tuple[str, str, str] | None:
+def sigma_axis(rows: list[dict]) -> tuple[str, str, str] | None:
     """(x key, x label, key of the lines) of `plot_sigma_by_beta`: β when the rows hold several,
     else the swept depth or width; None when there is only one point to draw."""
     shapes = [k for k in ("num_layers", "dim") if len({row.get(k) for row in rows}) > 1]
@@ -268,7 +268,7 @@ def plot_sigma_by_beta(rows: list[dict], path: str) -> bool:
     """σ_min(Z)/‖Z‖_F (layer 0) at the first and the last logged step against β, one line per
     depth L or width d; with a single β, against the swept L or d instead. Nothing is drawn
     (False) when that leaves a single point."""
-    axis = _sigma_axis(rows)
+    axis = sigma_axis(rows)
     if axis is None:
         return False
     x_key, x_label, line_key = axis
@@ -282,7 +282,7 @@ def plot_sigma_by_beta(rows: list[dict], path: str) -> bool:
     for line in sorted({line_of(row) for row in rows}):
         same = sorted((r for r in rows if line_of(r) == line), key=lambda r: r[x_key])
         if line_key == "beta":
-            name = _beta_label({k: v for k, v in same[0].items() if k not in ("num_layers", "dim")})
+            name = beta_label({k: v for k, v in same[0].items() if k not in ("num_layers", "dim")})
         else:
             name = ", ".join(f"{n}={v}" for n, v in zip(("L", "d"), line, strict=True) if v)
         for when, marker in (("start", "o"), ("end", "s")):

@@ -1,10 +1,10 @@
 """What a training task reports from its run directory, once `train.run` has finished.
 
 In WORKDIR (and, for a depth or width sweep, in each WORKDIR/layers_<L> or dim_<d>):
-training.png, loss_by_beta.png, sigma_by_beta.png and beta_table.csv from `regression`; when the
+training.png, loss_by_beta.png, sigma_by_beta.png and beta_table.csv from `figures`; when the
 runs log a classification error, errors.png, accuracy_table.csv and layers_table.csv from
 `classification`. Everything is read back from metrics.jsonl and config.json, so
-`python -m resconv_jax.experiments.report WORKDIR` rewrites the same files for any finished (or
+`python -m resconv_jax.experiments.run_report WORKDIR` rewrites the same files for any finished (or
 partly finished) run.
 """
 
@@ -15,13 +15,13 @@ import sys
 
 from etils import epath
 
-from resconv_jax import workdir as wd
 from resconv_jax.analysis.summary import fit_floor
 from resconv_jax.errors import WorkdirBusy
-from resconv_jax.experiments import classification, conditioning, depth, descent, regression
-from resconv_jax.metrics import METRICS_FILE, read_metrics
+from resconv_jax.experiments import classification, conditioning, depth, descent, figures
+from resconv_jax.runtime import workdir as wd
+from resconv_jax.runtime.metrics import METRICS_FILE, read_metrics
+from resconv_jax.runtime.workdir import CONFIG_FILE, WorkdirLock, read_saved_config
 from resconv_jax.sweep import group_folder
-from resconv_jax.workdir import CONFIG_FILE, WorkdirLock, read_saved_config
 
 _GROUP_FOLDER = re.compile(r"(?:layers_(\d+))?_?(?:dim_(\d+))?")
 
@@ -46,8 +46,8 @@ def _write_one(workdir: epath.Path, config: dict, threshold: float, floor: float
     history = read_metrics(workdir)
     if not history:
         return []
-    rows = regression.write_reports(workdir, history, threshold, floor)
-    tables = [regression.format_beta_table(rows)] if len(rows) > 1 else []
+    rows = figures.write_reports(workdir, history, threshold, floor)
+    tables = [figures.format_beta_table(rows)] if len(rows) > 1 else []
     if any("step_losses" in line for line in history):
         tables.append(descent.write_descent_report(workdir, history))
     if len({line.get("dim") for line in history}) > 1:
@@ -81,7 +81,7 @@ def write_run_report(workdir) -> list[str]:
         lock.release()
 
 
-USAGE = "usage: python -m resconv_jax.experiments.report WORKDIR (a run's folder, from main)"
+USAGE = "usage: python -m resconv_jax.experiments.run_report WORKDIR (a run's folder, from main)"
 
 
 def _not_a_run(workdir: epath.Path) -> str | None:

@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 
 from resconv_jax.config_defaults import base_config, load_config_file  # noqa: E402
 from resconv_jax.data.synthetic import make_synthetic  # noqa: E402
-from resconv_jax.models import transformer  # noqa: E402
+from resconv_jax.models import RunSettings, transformer  # noqa: E402
 from resconv_jax.step import init_opt_state, make_optimizer, make_step_functions  # noqa: E402
 
 SWEEP_BETAS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -57,8 +57,8 @@ def theory_size() -> Size:
         c.data.num_samples,
         c.data.seq_len,
         c.data.dim,
-        c.model.d_qk,
-        c.model.d_h,
+        c.model.transformer.d_qk,
+        c.model.transformer.d_h,
         c.data.out_dim,
         c.optim.lr,
     )
@@ -92,8 +92,8 @@ def make_data(size: Size, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 def model_config(size: Size) -> transformer.ModelConfig:
     c = base_config()
     with c.unlocked():
-        c.model.d_qk = size.d_qk
-        c.model.d_h = size.d_h
+        c.model.transformer.d_qk = size.d_qk
+        c.model.transformer.d_h = size.d_h
     return transformer.model_config(c.model, d=size.d, d_y=size.d_y)
 
 
@@ -129,7 +129,8 @@ def build_runs(
     """The library's (graphdef, optimizer, step functions) and a stacked state for `betas`.
 
     Every run starts from the same initialization (`seed`), as in a sweep over β.
-    `step_kwargs` go to `make_step_functions`.
+    `step_kwargs` go to `make_step_functions`, but for `fast_backward` (the model's: False
+    differentiates the plain model).
     """
     cfg = model_config(size)
     optimizer = optimizer_for(size)
@@ -138,10 +139,11 @@ def build_runs(
     lrs = jnp.full((len(betas),), size.lr, jnp.float32)
     state = {"params": params, "opt_state": init_opt_state(optimizer, params, lrs)}
     b = jnp.asarray(betas, jnp.float32)
-    hp = {"beta_attn": b, "beta_ffn": b}
+    hp = RunSettings(beta_attn=b, beta_ffn=b)
     x, y = make_data(size) if data is None else data
-    model = transformer.make_model(cfg)
-    fns = make_step_functions(model, optimizer, "sum", steps_per_call, **(step_kwargs or {}))
+    kwargs = dict(step_kwargs or {})
+    model = transformer.make_model(cfg, fast_backward=kwargs.pop("fast_backward", True))
+    fns = make_step_functions(model, optimizer, "sum", steps_per_call, **kwargs)
     return Runs(fns, state, hp, jnp.asarray(x), jnp.asarray(y), graphdef, params0)
 
 

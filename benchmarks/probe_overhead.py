@@ -74,7 +74,7 @@ from benchmarks import common  # noqa: E402
 from resconv_jax import sharding  # noqa: E402
 from resconv_jax.analysis import probe  # noqa: E402
 from resconv_jax.config_defaults import load_config_file  # noqa: E402
-from resconv_jax.models import transformer  # noqa: E402
+from resconv_jax.models import RunSettings, transformer  # noqa: E402
 from resconv_jax.step import init_opt_state, make_step_functions  # noqa: E402
 
 THEORY_BETAS = (0.0, 0.5, 1.0)
@@ -110,7 +110,7 @@ class Problem:
         state = {"params": params, "opt_state": init_opt_state(self.optimizer, params, lrs)}
         self.state = sharding.put_tree(state, on_runs)
         b = jnp.asarray(betas, jnp.float32)
-        self.hp = sharding.put_tree({"beta_attn": b, "beta_ffn": b}, on_runs)
+        self.hp = sharding.put_tree(RunSettings(beta_attn=b, beta_ffn=b), on_runs)
         self.state_sharding = jax.tree.map(lambda _: on_runs, self.state)
 
     def probe_fn(self, kind: str | None):

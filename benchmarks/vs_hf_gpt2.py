@@ -6,10 +6,10 @@ PyTorch GPT2Model, same weights, data and loss.
     python -m benchmarks.vs_hf_gpt2 --layers 2 --batch 8 --tokens 32 --repeats 7
 
 Model: GPT-2 small's shape (n_embd 768, 12 heads, vocab 50257, n_positions 1024) with random
-weights (`model.weights="random"`; nothing is downloaded), truncated to its first L blocks, and a
-(768, 2) head on ln_f's output at each sentence's last real token. Data: `--batch` sentences of
-`--tokens` random token ids, right-padded with an attention mask on every fourth row, random
-labels in {0, 1}. Loss: ½·mean ‖F − onehot(y)‖² (configs/sst2.py: optim.loss="squared",
+weights (`model.gpt2.weights="random"`; nothing is downloaded), truncated to its first L blocks,
+and a (768, 2) head on ln_f's output at each sentence's last real token. Data: `--batch`
+sentences of `--tokens` random token ids, right-padded with an attention mask on every fourth
+row, random labels in {0, 1}. Loss: ½·mean ‖F − onehot(y)‖² (configs/sst2.py: optim.loss="squared",
 optim.reduction="mean"), β = 1 (GPT-2's residuals), step size optim.lr of configs/sst2.py.
 
 JAX: configs/sst2.py (the settings above; sweep.num_layers=(), sweep.beta=(β,)), the model of
@@ -51,7 +51,7 @@ from resconv_jax.data import Dataset  # noqa: E402
 from resconv_jax.data.sst2 import PAD_ID  # noqa: E402
 from resconv_jax.models import build_model  # noqa: E402
 from resconv_jax.step import init_opt_state, make_optimizer, make_step_functions  # noqa: E402
-from resconv_jax.sweep import expand_runs, run_hparams  # noqa: E402
+from resconv_jax.sweep import expand_runs, run_settings  # noqa: E402
 
 try:
     import torch  # noqa: E402
@@ -66,7 +66,7 @@ NUM_CLASSES = 2
 def gpt2_config(layers: int, beta: float, lr: float | None):
     """configs/sst2.py for one run of depth L: random GPT-2-small-shaped weights, β, lr."""
     overrides = {
-        "model.weights": "random",
+        "model.gpt2.weights": "random",
         "model.num_layers": layers,
         "sweep.num_layers": (),
         "sweep.beta": (beta,),
@@ -109,7 +109,7 @@ def build_jax(config, dataset: Dataset) -> common.Runs:
     params = model.init_runs([run.seed for run in runs])
     lrs = jnp.asarray([run.lr for run in runs], jnp.float32)
     state = {"params": params, "opt_state": init_opt_state(optimizer, params, lrs)}
-    hp = {k: jnp.asarray(v) for k, v in run_hparams(runs).items()}
+    hp = {k: jnp.asarray(v) for k, v in run_settings(runs).items()}
     x = {k: jnp.asarray(v) for k, v in dataset.x_train.items()}
     params0 = jax.tree.map(lambda a: np.array(a[0]), params)
     return common.Runs(fns, state, hp, x, jnp.asarray(dataset.y_train), model.graphdef, params0)
@@ -208,7 +208,7 @@ def check_agreement(case, runs, model, batch, lr: float, args, label: str) -> st
         torch1 = float(model.loss(*batch))
     before = flat(runs.params0)
     after_jax = {k: v[0] for k, v in flat(jax.device_get(case.states[0]["params"])).items()}
-    after_torch = model.weights()
+    after_torch = model.gpt2.weights()
     worst_update, worst_diff, worst_name = 0.0, 0.0, ""
     for name, w0 in before.items():
         dj, dt = after_jax[name] - w0, after_torch[name] - w0
@@ -248,7 +248,7 @@ def bench_depth(layers: int, args, dataset: Dataset) -> tuple[list, str, str]:
     runs = build_jax(config, dataset)
     case = common.Case(common.step_fn(runs.fns), [runs], None)
     compile_s = time.perf_counter() - t0
-    shape = dict(config.model.gpt2_shape)
+    shape = dict(config.model.gpt2.shape)
     model = TorchGPT2(
         {k: v for k, v in shape.items() if k != "n_layer"},
         layers,
@@ -316,7 +316,7 @@ def main(argv=None) -> None:
     t_start = time.perf_counter()
     header = f"Machine: {common.machine()}; transformers {transformers.__version__}"
     print(header + "\n", flush=True)
-    vocab = int(gpt2_config(layers[0], args.beta, args.lr).model.gpt2_shape.vocab_size)
+    vocab = int(gpt2_config(layers[0], args.beta, args.lr).model.gpt2.shape.vocab_size)
     dataset = make_batch(args.batch, args.tokens, vocab)
     padded = int((dataset.x_train["mask"].sum(-1) < args.tokens).sum())
     rows, checks, details = [], [], []

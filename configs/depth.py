@@ -38,8 +38,8 @@ def get_config(arg=None):
     config.sweep.beta = (0.0, 1.0)
     config.sweep.seed = (0, 1) if small else (0, 1, 2)
     if "branches" in chosen:
-        config.model.v_scale = 0.3
-        config.model.mlp_scale = 0.3
+        config.model.transformer.v_scale = 0.3
+        config.model.transformer.mlp_scale = 0.3
         config.model.dtype = "float64"
         config.probe.dtype = "float64"
         config.sweep.beta = (1.0,)

@@ -25,16 +25,15 @@ Each β can be set on its own: `--config.sweep.beta="()" --config.sweep.beta_att
 """
 
 from resconv_jax.config_defaults import base_config, variants
-from resconv_jax.data.jena import default_jena_config
+from resconv_jax.data import jena
 
 
 def get_config(arg=None):
     variants(arg, "configs/jena.py")  # none: refuses any
     config = base_config()
-    config.data = default_jena_config()  # source, path, seq_len M, num_train P, ... (see jena.py)
-    config.data.name = "jena"
-    config.model.d_qk = 6  # query/key width (= d)
-    config.model.d_h = 32  # MLP hidden width
+    config.data = jena.default_config()  # source, path, seq_len M, num_train P, ... (see jena.py)
+    config.model.transformer.d_qk = 6  # query/key width (= d)
+    config.model.transformer.d_h = 32  # MLP hidden width
     config.optim.lr = 4e-6  # below 2/λ_max(K) at init of every run (see the docstring)
     config.train.num_steps = 2000
     config.train.log_every = 10

@@ -19,8 +19,9 @@ rank_collapse_seeds.csv (one row per seed), rank_collapse.png, config.json.
 Data: one Gaussian X (P, M, d) drawn from data.seed, the same for every setting and seed (the
 seeds vary W_Q, W_K, W_V only). Of the model section only qk_scale, v_scale and d_h (which sets the
 shape of the unused MLP weights, so that a seed gives the weights of layer 0 of a Transformer
-with that seed) are used; model.d_qk, model.qk_init and the β fields are replaced by the section
-below (Z = Attn(X) + X, β_a = 1). The seed, sweep, optim and train sections are unused.
+with that seed) are used; model.transformer.d_qk, model.transformer.qk_init and the β fields
+are replaced by the section below (Z = Attn(X) + X, β_a = 1). The seed, sweep, optim and train
+sections are unused.
 """
 
 import ml_collections

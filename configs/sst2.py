@@ -2,9 +2,9 @@
 full-batch GD with (β = 1) and without (β = 0) its residual connections; every LayerNorm is kept.
 
     python -m resconv_jax.main --config=configs/sst2.py --workdir=workdirs/sst2 \\
-        --config.model.weights=FOLDER
+        --config.model.gpt2.weights=FOLDER
 
-`model.weights`: a Hugging Face GPT-2 folder (config.json + model.safetensors), or a hub id
+`model.gpt2.weights`: a Hugging Face GPT-2 folder (config.json + model.safetensors), or a hub id
 (default `openai-community/gpt2`, read from the local Hugging Face cache; with no network and no
 cache the run stops in one line naming the folder option). The 6 runs L ∈ {2, 6, 10} × β ∈ {0, 1}
 are one program per depth (`sweep.num_layers`), run one after another in WORKDIR/layers_<L>;
@@ -21,16 +21,15 @@ tokens, for 2 CPU cores.
 """
 
 from resconv_jax.config_defaults import base_config, variants
-from resconv_jax.data.sst2 import default_sst2_config
+from resconv_jax.data import sst2
 
 
 def get_config(arg=None):
     random_small = "random_small" in variants(arg, "configs/sst2.py", ("random_small",))
     config = base_config()
-    config.data = default_sst2_config()  # source, path, max_tokens T, num_train P, ... (sst2.py)
-    config.data.name = "sst2"
+    config.data = sst2.default_config()  # source, path, max_tokens T, num_train P, ... (sst2.py)
     config.model.name = "gpt2"
-    config.model.weights = "openai-community/gpt2"
+    config.model.gpt2.weights = "openai-community/gpt2"
     config.model.num_layers = 2  # L when sweep.num_layers is empty
     config.sweep.num_layers = (2, 6, 10)  # L: the first L GPT-2 blocks, one program per depth
     # The mean over the P·2 outputs: with the sum, 2/λ_max(K) at init is ~1e-6 (random_small).
@@ -43,11 +42,11 @@ def get_config(arg=None):
     config.sweep.beta = (0.0, 1.0)
     config.probe.per_sample = False  # sentences have fewer real tokens than d: σ_min(Z_p) = 0
     if random_small:
-        config.model.weights = "random"
-        config.model.gpt2_shape.n_embd = 64
-        config.model.gpt2_shape.n_head = 4
-        config.model.gpt2_shape.n_layer = 10
-        config.model.gpt2_shape.n_positions = 64
+        config.model.gpt2.weights = "random"
+        config.model.gpt2.shape.n_embd = 64
+        config.model.gpt2.shape.n_head = 4
+        config.model.gpt2.shape.n_layer = 10
+        config.model.gpt2.shape.n_positions = 64
         config.data.num_train = 128
         config.data.max_tokens = 32
     config.lock()

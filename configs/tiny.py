@@ -9,8 +9,8 @@ from resconv_jax.config_defaults import base_config, variants
 def get_config(arg=None):
     variants(arg, "configs/tiny.py")  # none: refuses any
     config = base_config()
-    config.model.d_qk = 4
-    config.model.d_h = 16
+    config.model.transformer.d_qk = 4
+    config.model.transformer.d_h = 16
     config.data.num_samples = 8  # P
     config.data.seq_len = 4  # M
     config.data.dim = 32  # d = P*M: the theory regime

@@ -10,6 +10,9 @@ import importlib.util
 
 import ml_collections
 
+from resconv_jax.data import synthetic
+from resconv_jax.models import model_module, model_names
+
 
 def base_config() -> ml_collections.ConfigDict:
     """Default config: a small synthetic theory problem, one run."""
@@ -18,37 +21,19 @@ def base_config() -> ml_collections.ConfigDict:
     c.seed = 0  # parameter-initialization seed (per run: see sweep.seed)
 
     c.model = ml_collections.ConfigDict()
-    c.model.name = "transformer"  # "transformer" (the paper's) or "gpt2" (Hugging Face's GPT-2)
-    # gpt2: a Hugging Face model folder (config.json + model.safetensors), a hub id such as
-    # "openai-community/gpt2" (its local cache first), or "random" (gpt2_shape below).
-    c.model.weights = "random"
-    c.model.gpt2_shape = ml_collections.ConfigDict(  # GPT-2 small; for weights="random" only
-        {"n_embd": 768, "n_head": 12, "n_layer": 12, "n_positions": 1024, "vocab_size": 50257}
-    )
-    c.model.d_qk = 8  # query/key width d_QK
-    c.model.d_h = 32  # MLP hidden width d_h
+    # The model: the module resconv_jax.models.NAME (`models.model_names()`: transformer, the
+    # paper's; gpt2, Hugging Face's GPT-2). Each model's own fields are config.model.NAME.*.
+    c.model.name = "transformer"
     c.model.num_layers = 1  # number of blocks L under the one head (gpt2: the first L blocks)
-    c.model.qk_init = "1/d"  # W_Q, W_K entry variance: "1/d" or "1/d_qk" (times qk_scale²)
-    c.model.qk_scale = 1.0  # init scale of W_Q, W_K
-    c.model.v_scale = 1.0  # init scale of W_V (variance scale²/d)
-    c.model.mlp_scale = 1.0  # init scale of W_1 (scale²/d), W_2 (scale²/d_h)
-    c.model.head_scale = 1.0  # init scale of W_U (scale²/d)
     c.model.dtype = "float32"  # of weights and activations; "float64" turns on jax_enable_x64
     c.model.beta_attn = 1.0  # β_a: Z = Attn(X) + β_a X (the paper: 1; "no residual": 0)
     c.model.beta_ffn = 1.0  # β_f: H = σ(Z W_1) W_2 + β_f Z
-    # σ of the paper's Transformer: relu (the paper's), gelu, softplus (smooth: Assumption 1),
-    # identity (a linear control). GPT-2 keeps its own gelu_new.
-    c.model.activation = "relu"
+    for name in model_names():
+        c.model[name] = model_module(name).default_config()
 
-    c.data = ml_collections.ConfigDict()
-    c.data.name = "synthetic"  # "synthetic", "jena" or "sst2"
-    c.data.num_samples = 8  # P
-    c.data.seq_len = 8  # M
-    c.data.dim = 64  # d (the theory regime wants d >= P*M)
-    c.data.out_dim = 1  # d_y
-    c.data.target = "gaussian"  # "gaussian" targets, or "teacher" (random same-architecture model)
-    c.data.seed = 0  # data seed (shared by every run of a sweep)
-    c.data.teacher_seed = 1  # parameter seed of the teacher
+    # The data set: the module resconv_jax.data.NAME (`data.data_names()`: synthetic, jena, sst2)
+    # gives the whole section (config.data = jena.default_config() in configs/jena.py).
+    c.data = synthetic.default_config()
 
     c.optim = ml_collections.ConfigDict()
     c.optim.name = "sgd"  # "sgd" (plain GD, the paper), or ablations "momentum", "adam"
@@ -122,7 +107,24 @@ def base_config() -> ml_collections.ConfigDict:
 
 # Fields and sections that moved: old dotted name (or its prefix) -> new. An old name on the
 # command line is refused in one line naming the new one (`validation.renamed_flag`), never aliased.
-RENAMED = {"theory": "certificate"}
+RENAMED = {
+    "theory": "certificate",
+    **{
+        f"model.{field}": f"model.transformer.{field}"
+        for field in (
+            "d_qk",
+            "d_h",
+            "qk_init",
+            "qk_scale",
+            "v_scale",
+            "mlp_scale",
+            "head_scale",
+            "activation",
+        )
+    },  # fmt: skip
+    "model.weights": "model.gpt2.weights",
+    "model.gpt2_shape": "model.gpt2.shape",
+}
 
 
 def theory_regime_config(dim: int) -> ml_collections.ConfigDict:
@@ -130,8 +132,8 @@ def theory_regime_config(dim: int) -> ml_collections.ConfigDict:
     depth.py): P = M = 8 Gaussian samples of width d = `dim`, d_QK = 16, d_h = 64, one output; a
     metrics line every 10 steps, progress lines and checkpoints every 500."""
     c = base_config()
-    c.model.d_qk = 16
-    c.model.d_h = 64
+    c.model.transformer.d_qk = 16
+    c.model.transformer.d_h = 64
     c.data.num_samples = 8  # P
     c.data.seq_len = 8  # M
     c.data.dim = dim

@@ -66,7 +66,11 @@ TIMES_FILE = "reproduce.json"
 SCALES = ("tiny", "small", "paper")
 FLOAT64 = {"model.dtype": "float64", "probe.dtype": "float64"}
 # The certificate's premise, η ≤ 1/λ_max(K): each run's η = 0.9/λ_max(K) at its initialization.
-SMOOTH = {"model.activation": "softplus", "optim.lr_rule": "lambda_max", "optim.lr_factor": 0.9}
+SMOOTH = {
+    "model.transformer.activation": "softplus",
+    "optim.lr_rule": "lambda_max",
+    "optim.lr_factor": 0.9,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +162,7 @@ def experiment_sizes(experiment: Experiment) -> str:
     else:
         shape = f"P={data.num_train} SST-2 sentences of ≤ {data.max_tokens} tokens"
     if c.model.name == "gpt2":
-        kind = "random-init" if c.model.weights == "random" else "pretrained"
+        kind = "random-init" if c.model.gpt2.weights == "random" else "pretrained"
         shape += f", GPT-2 ({kind})"
     runs = [
         f"{len(values)} {name}"

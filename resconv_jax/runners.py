@@ -57,7 +57,7 @@ class ChunkRunners:
 
     def __init__(self, make_fns, probe_fn, config, mesh: jax.sharding.Mesh, args):
         self.probe_every = config.probe.every if probe_fn is not None else 0
-        num_runs = args[1]["beta_attn"].shape[0]
+        num_runs = jax.tree.leaves(args[1])[0].shape[0]
         chunk = check_runs_per_chunk(config.train.runs_per_chunk, mesh)
         self.runs_per_chunk = chunk if chunk < num_runs else 0  # 0: all runs together
         self._compile = functools.partial(self._compile_chunk, make_fns, config, mesh, args)

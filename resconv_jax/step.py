@@ -2,8 +2,9 @@
 steps that runs on device between log steps.
 
 A train state is `{"params": ..., "opt_state": ...}` with a leading run axis R on every leaf.
-Per-run settings that are not trained (β_a, β_f) travel as `hparams`, arrays of shape (R,); the
-step size lives in the optimizer state (`optax.inject_hyperparams`), so it can differ per run.
+Per-run settings that are not trained (β_a, β_f) travel as `hp`, a `models.RunSettings` of (R,)
+arrays; the step size lives in the optimizer state (`optax.inject_hyperparams`), so it can differ
+per run.
 """
 
 from __future__ import annotations
@@ -105,7 +106,6 @@ def make_step_functions(
     *,
     probe: Callable | None = None,
     runs_per_chunk: int = 0,
-    fast_backward: bool = True,
     loss_kind: str = "squared",
 ) -> StepFunctions:
     """Builds the per-run loss and step, their vmaps over runs, and the on-device step loop.
@@ -128,15 +128,10 @@ def make_step_functions(
     one chunk's working set, which is faster on a CPU once the temporaries of all runs no longer
     fit in its cache.
     Single-device meshes only (the run axis must not be sharded).
-
-    `fast_backward` differentiates the training loss through `models.fast_ops` (canonical backward
-    dots; the same gradients); False differentiates the plain model, for comparisons.
     """
 
     def loss_and_intermediates(params, hp, x, y):
-        pred, inter = model.apply(
-            params, x, hp, return_intermediates=True, fast_backward=fast_backward
-        )
+        pred, inter = model.apply_for_grad(params, x, hp, return_intermediates=True)
         return task_loss(pred, y, reduction, loss_kind), inter
 
     def loss(params, hp, x, y):
@@ -162,7 +157,7 @@ def make_step_functions(
     vmapped_step = jax.vmap(step_one, in_axes=(0, 0, None, None))
 
     def step(state, hp, x, y):
-        if not runs_per_chunk or runs_per_chunk >= hp["beta_attn"].shape[0]:
+        if not runs_per_chunk or runs_per_chunk >= jax.tree.leaves(hp)[0].shape[0]:
             return vmapped_step(state, hp, x, y)
         return jax.lax.map(lambda run: step_one(*run, x, y), (state, hp), batch_size=runs_per_chunk)
 

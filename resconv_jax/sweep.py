@@ -12,6 +12,8 @@ import itertools
 
 import numpy as np
 
+from resconv_jax.models.interface import RunSettings
+
 
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
@@ -95,9 +97,9 @@ def group_config(config, shape: tuple[int | None, int | None]):
     return resolved
 
 
-def run_hparams(runs: list[RunSpec]) -> dict[str, np.ndarray]:
-    """Per-run residual coefficients as float32 arrays of shape (R,)."""
-    return {
-        "beta_attn": np.array([r.beta_attn for r in runs], np.float32),
-        "beta_ffn": np.array([r.beta_ffn for r in runs], np.float32),
-    }
+def run_settings(runs: list[RunSpec]) -> RunSettings:
+    """The runs' model settings, stacked: each field a float32 array of shape (R,)."""
+    return RunSettings(
+        beta_attn=np.array([r.beta_attn for r in runs], np.float32),
+        beta_ffn=np.array([r.beta_ffn for r in runs], np.float32),
+    )

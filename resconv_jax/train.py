@@ -31,12 +31,11 @@ from resconv_jax.analysis.certificate import (
 )
 from resconv_jax.analysis.summary import fit_floor, run_summaries
 from resconv_jax.config_defaults import base_config
-from resconv_jax.data import load_dataset
+from resconv_jax.data import data_module, load_dataset
 from resconv_jax.errors import ConfigError, Preempted, TrainingDiverged
 from resconv_jax.finished import RUNS_FILE, SUMMARY_FILE, refuse_fewer_steps
 from resconv_jax.loop import Program, run_loop
-from resconv_jax.models import Model, build_model
-from resconv_jax.models.weights import find_weights
+from resconv_jax.models import Model, RunSettings, build_model, model_module
 from resconv_jax.runners import ChunkRunners, check_runs_per_chunk
 from resconv_jax.runtime import memory, multihost, signals
 from resconv_jax.runtime import workdir as wd
@@ -66,7 +65,7 @@ from resconv_jax.step import (
     make_optimizer,
     make_step_functions,
 )
-from resconv_jax.sweep import expand_runs, group_config, group_folder, group_runs, run_hparams
+from resconv_jax.sweep import expand_runs, group_config, group_folder, group_runs, run_settings
 from resconv_jax.validation import check_workdir, validate_config
 
 __all__ = ["SUMMARY_FILE", "Preempted", "TrainingDiverged", "run"]
@@ -86,8 +85,7 @@ def _init_params(model: Model, runs) -> dict:
 def _num_outputs(model: Model, inputs, params) -> int:
     """Entries of one run's output F(inputs): the rows of its Jacobian."""
     structs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), inputs)
-    hp = {"beta_attn": 1.0, "beta_ffn": 1.0}
-    out = jax.eval_shape(lambda p, x: model.apply(p, x, hp), params, structs)
+    out = jax.eval_shape(lambda p, x: model.apply(p, x, RunSettings()), params, structs)
     return int(np.prod(out.shape))
 
 
@@ -180,16 +178,20 @@ def run(config, workdir: str) -> list[dict]:
         groups = group_runs(expand_runs(config))
         if len(groups) == 1:  # a one-element depth or width sweep is that setting, given
             config = group_config(config, groups[0][0])
-        synthetic = config.data.name == "synthetic"
-        if synthetic:  # from the config's shapes, before anything is drawn
-            memory.check_synthetic_data(config.data, max(config.sweep.dim, default=0))
-            _check_model_size(config, None, groups)
-        if config.model.name == "gpt2" and config.model.weights != "random":
-            find_weights(config.model.weights)  # missing weights: one line, before any other
+        data_kind = data_module(config.data.name)
+        widest = max(config.sweep.dim, default=0)
+        shapes = None
+        if hasattr(data_kind, "shapes"):  # from the config alone, before anything is drawn
+            data_kind.check_size(config.data, widest)
+            shapes = data_kind.shapes(config.data, widest)
+            _check_model_size(config, shapes, groups)
+        model_kind = model_module(config.model.name)
+        if hasattr(model_kind, "check_available"):
+            model_kind.check_available(config.model)  # missing weights: one line, before the rest
         # A width sweep draws each width's own data (`_run_groups`), never data.dim's.
         dataset = None if config.sweep.dim else load_dataset(config)
-        if not synthetic:
-            _check_model_size(config, dataset, groups)
+        if shapes is None:
+            _check_model_size(config, _data_shapes(dataset), groups)
         _stop_before_training("loading the data")
         created = not wd.path(workdir).exists()
         lock = WorkdirLock(workdir)
@@ -209,25 +211,25 @@ def run(config, workdir: str) -> list[dict]:
         signals.restore(previous_handler)
 
 
-def _check_model_size(config, dataset, groups) -> None:
-    """`memory.check_transformer_size` at the sweep's largest shape: the widest d, the deepest L,
-    the most runs of one program (of `groups`); the data's shapes from `dataset`, or (None) from
-    the config."""
-    if config.model.name != "transformer":
+def _data_shapes(dataset) -> dict[str, int]:
+    """{num_samples, seq_len, d, d_y} of a data set of (P, M, d) windows and (P, M, d_y) targets
+    ({} for any other)."""
+    x, y = dataset.x_train, dataset.y_train
+    if not hasattr(x, "shape") or x.ndim != 3 or y.ndim != 3:
+        return {}
+    samples, seq_len, d = x.shape
+    return {"num_samples": samples, "seq_len": seq_len, "d": d, "d_y": y.shape[-1]}
+
+
+def _check_model_size(config, shapes: dict[str, int], groups) -> None:
+    """The model's `check_size` (if it has one) for the data's `shapes` (`_data_shapes`), the
+    deepest L and the most runs of one program (of `groups`)."""
+    check_size = getattr(model_module(config.model.name), "check_size", None)
+    if check_size is None or not shapes:
         return
-    if dataset is None:
-        data = config.data
-        samples, seq_len, d, d_y = data.num_samples, data.seq_len, data.dim, data.out_dim
-        d = max(config.sweep.dim, default=d)
-    else:
-        samples, seq_len, d = dataset.x_train.shape
-        d_y = dataset.y_train.shape[-1]
-    memory.check_transformer_size(
+    check_size(
         config.model,
-        num_samples=samples,
-        seq_len=seq_len,
-        d=d,
-        d_y=d_y,
+        **shapes,
         num_layers=max(config.sweep.num_layers, default=config.model.num_layers),
         runs=max(len(runs) for _, runs in groups),
     )
@@ -247,7 +249,7 @@ def _build(config, dataset, mesh, model: Model, num_outputs: int, num_params: in
         )
         x_val, y_val = put_val(dataset.x_val), put_val(dataset.y_val)
     on_runs = sharding.run_sharding(mesh)
-    hp = sharding.put_tree(run_hparams(runs), on_runs)
+    hp = sharding.put_tree(run_settings(runs), on_runs)
     optimizer = make_optimizer(config.optim)
     probe_fn = None
     if config.probe.enabled:
@@ -357,6 +359,8 @@ def _run_locked(config, workdir: epath.Path, dataset, runs) -> list[dict]:
     """`run` once the workdir is locked, for `runs` of one shape: checks, restore, the step loop,
     the summary."""
     model = build_model(config.model, dataset)
+    if dataset.teacher_seed is not None:
+        dataset = dataset.with_teacher_targets(model)
     mesh = sharding.make_mesh(len(runs), dataset.num_train, config.mesh)
     check_runs_per_chunk(config.train.runs_per_chunk, mesh)
     one_run_params = model.init(runs[0].seed)

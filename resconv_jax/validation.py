@@ -8,16 +8,14 @@ import os
 import jax
 
 from resconv_jax.config_defaults import RENAMED, base_config
+from resconv_jax.data import data_names
 from resconv_jax.errors import ConfigError
+from resconv_jax.models import model_module, model_names
 from resconv_jax.runtime import workdir as wd
 
 CHOICES = {
     "task": ("train", "rank_collapse"),
-    "model.name": ("transformer", "gpt2"),
     "optim.loss": ("squared", "cross_entropy"),
-    "model.qk_init": ("1/d", "1/d_qk"),
-    "model.activation": ("relu", "gelu", "softplus", "identity"),
-    "data.name": ("synthetic", "jena", "sst2"),
     "data.target": ("gaussian", "teacher"),
     "optim.name": ("sgd", "momentum", "adam"),
     "optim.reduction": ("sum", "mean"),
@@ -26,8 +24,6 @@ CHOICES = {
     "probe.dtype": ("float32", "float64"),
 }
 _POSITIVE_INTS = (
-    "model.d_qk",
-    "model.d_h",
     "model.num_layers",
     "data.num_samples",
     "data.seq_len",
@@ -115,6 +111,19 @@ def validate_config(config) -> None:
     """Raises ConfigError (one line) for the first value that cannot be run."""
     check_sections(config)
     _check_finite(config)
+    if config.model.name not in model_names():
+        raise ConfigError(
+            f"config.model.name={config.model.name!r}: expected one of {', '.join(model_names())} "
+            "(the modules of resconv_jax/models/)"
+        )
+    if config.data.name not in data_names():
+        raise ConfigError(
+            f"config.data.name={config.data.name!r}: expected one of {', '.join(data_names())} "
+            "(the modules of resconv_jax/data/)"
+        )
+    validate_model = getattr(model_module(config.model.name), "validate", None)
+    if validate_model is not None:
+        validate_model(config.model)
     for field, allowed in CHOICES.items():
         value = _get(config, field)
         if value is not None and value not in allowed:

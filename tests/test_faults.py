@@ -300,7 +300,10 @@ def test_a_full_disk_at_a_checkpoint_is_one_line(tmp_path, monkeypatch):
     "overrides, expected",
     [
         ({"optim.lr": float("inf")}, "config.optim.lr=inf: must be a finite number"),
-        ({"model.qk_scale": float("nan")}, "config.model.qk_scale=nan: must be a finite number"),
+        (
+            {"model.transformer.qk_scale": float("nan")},
+            "config.model.transformer.qk_scale=nan: must be a finite number",
+        ),
         ({"sweep.lr": (1e-3, float("inf"))}, "config.sweep.lr=(0.001, inf): must be finite"),
         ({"data.num_samples": 100_000_000}, "the data set alone needs"),
     ],
@@ -342,8 +345,7 @@ def test_divergence_names_the_last_finite_checkpoint_and_the_most_restrictive_ru
         history,
         [0, 10, 20],
         "/ckpt",
-        lambda: (np.array([1.0, 100.0, 40.0]), "t"),
-        loss_scale=1.0,
+        lambda: (2.0 / np.array([1.0, 100.0, 40.0]), "t"),  # 2/λ_max(K) per run
         sweeps_lr=False,
     )
     assert "2 of 3 runs diverged (first: run 1" in message and "step 0 in /ckpt" in message
@@ -354,7 +356,11 @@ def test_divergence_names_the_last_finite_checkpoint_and_the_most_restrictive_ru
     "config_file, overrides, expected",
     [
         ("theory.py", {"data.dim": 10_000_000}, "(num_samples=8, seq_len=8, d=10000000,"),
-        ("theory.py", {"model.d_h": 1_000_000_000}, "d_h=1000000000) needs at least 3.3 TiB"),
+        (
+            "theory.py",
+            {"model.transformer.d_h": 1_000_000_000},
+            "d_h=1000000000) needs at least 3.3 TiB",
+        ),
         ("theory.py", {"model.num_layers": 100_000}, "num_layers=100000, runs=3,"),
         ("tiny.py", {"sweep.dim": (16, 100_000_000)}, "d=100000000: the data set alone needs"),
     ],

@@ -12,7 +12,8 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
-from resconv_jax.models import gpt2, weights
+from resconv_jax.models.gpt2 import modeling as gpt2
+from resconv_jax.models.gpt2 import weights
 
 TINY = {"vocab_size": 50, "n_positions": 16, "n_embd": 16, "n_head": 2, "n_layer": 3}
 HF_CONFIG = {

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 from resconv_jax.data import jena
-from resconv_jax.data.jena import default_jena_config, load_jena
-from resconv_jax.data.jena_csv import (
+from resconv_jax.data.formats.jena_csv import (
     JENA_COLUMNS,
     file_sha256,
     format_timestamp,
@@ -20,6 +19,7 @@ from resconv_jax.data.jena_csv import (
     parse_jena_csv,
     read_csv_bytes,
 )
+from resconv_jax.data.jena import load_jena
 from resconv_jax.errors import JenaDataError
 
 # The first two records of jena_climate_2009_2016.csv (all 14 variables).
@@ -64,7 +64,7 @@ def write(path: Path, text: str) -> Path:
 
 
 def file_cfg(path: Path, /, **overrides):
-    cfg = default_jena_config()
+    cfg = jena.default_config()
     cfg.source, cfg.path, cfg.seq_len, cfg.num_train = "file", str(path), 4, -1
     cfg.update(overrides)
     return cfg
@@ -245,7 +245,7 @@ def test_config_errors(hourly, overrides, problem):
 
 
 def test_bundled_sample_default_config_and_lift():
-    cfg = default_jena_config()
+    cfg = jena.default_config()
     s = load_jena(cfg)
     assert s.x_train.shape == (256, 24, 6) and s.y_train.shape == (256, 24, 1)
     assert s.x_val.shape == (145, 24, 6) and s.x_test.shape == (72, 24, 6)
@@ -277,7 +277,7 @@ def test_tfds_builder_gives_the_same_arrays(tmp_path: Path, hourly):
 
 def test_download_fails_fast_offline(tmp_path: Path, monkeypatch):
     monkeypatch.setattr(jena, "JENA_URL", "http://127.0.0.1:9/jena_climate_2009_2016.csv.zip")
-    cfg = default_jena_config()
+    cfg = jena.default_config()
     cfg.source, cfg.cache_dir = "download", str(tmp_path)
     start = time.monotonic()
     with pytest.raises(JenaDataError, match="download of .* failed .*source='file'") as info:
@@ -292,7 +292,7 @@ def test_download_cache_hash_verification(tmp_path: Path, monkeypatch, hourly):
     with zipfile.ZipFile(zpath, "w") as zf:
         zf.writestr("jena_climate_2009_2016.csv", content)
     monkeypatch.setattr(jena, "JENA_URL", "http://127.0.0.1:9/unused.zip")
-    cfg = default_jena_config()
+    cfg = jena.default_config()
     cfg.source, cfg.cache_dir, cfg.seq_len, cfg.num_train = "download", str(tmp_path), 4, 5
     blob_error = f"git blob sha1 mismatch: expected {jena.JENA_CSV_GIT_BLOB}, got"
     with pytest.raises(JenaDataError, match=blob_error):

@@ -10,7 +10,9 @@ import pytest
 
 from resconv_jax.analysis import theory
 from resconv_jax.analysis.lanczos import _lanczos, tangent_kernel_lanczos
-from resconv_jax.models import gpt2, transformer, weights
+from resconv_jax.models import RunSettings, transformer
+from resconv_jax.models.gpt2 import modeling as gpt2
+from resconv_jax.models.gpt2 import weights
 
 
 def lanczos(f, params, iterations):
@@ -50,7 +52,7 @@ def paper_outputs(hp, seed):
 
 def test_paper_model_matches_dense_in_float64():
     with jax.enable_x64(True):
-        f, params = paper_outputs({"beta_attn": 0.5, "beta_ffn": 1.0}, seed=3)
+        f, params = paper_outputs(RunSettings(0.5, 1.0), seed=3)
 
         n, p = theory.jacobian_shape(f, params)
         assert n <= p
@@ -133,7 +135,7 @@ def test_breakdown_with_full_rank_restarts_instead_of_inventing_zeros():
 
 def test_fewer_steps_bound_the_extremes_from_inside():
     with jax.enable_x64(True):
-        f, params = paper_outputs({"beta_attn": 1.0, "beta_ffn": 1.0}, seed=5)
+        f, params = paper_outputs(RunSettings(1.0, 1.0), seed=5)
 
         lam_min, lam_max = dense(f, params)
         spec = lanczos(f, params, 10)  # m = n = 40
@@ -149,7 +151,7 @@ def test_under_lax_map_and_vmap_over_runs():
     with jax.enable_x64(True):
         model, x = paper_model(num_layers=1)
         params = model.init_runs([0, 1])
-        hp = {"beta_attn": jnp.array([0.0, 1.0]), "beta_ffn": jnp.array([1.0, 0.5])}
+        hp = RunSettings(jnp.array([0.0, 1.0]), jnp.array([1.0, 0.5]))
 
         def one(run):
             return tangent_kernel_lanczos(

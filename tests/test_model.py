@@ -11,7 +11,7 @@ import optax
 import pytest
 
 from resconv_jax.config_defaults import base_config
-from resconv_jax.models import fast_ops, transformer
+from resconv_jax.models import RunSettings, fast_ops, transformer
 from resconv_jax.step import init_opt_state, make_optimizer, make_step_functions
 
 NUMPY_ACTIVATIONS = {
@@ -122,7 +122,7 @@ def test_gd_step_is_params_minus_lr_grad_with_finite_difference_gradient():
         optim.lr = 0.05
         optimizer = make_optimizer(optim)
         fns = make_step_functions(transformer.make_model(cfg), optimizer, "sum", steps_per_call=1)
-        hp = {"beta_attn": jnp.asarray([0.5]), "beta_ffn": jnp.asarray([1.0])}
+        hp = RunSettings(jnp.asarray([0.5]), jnp.asarray([1.0]))
         stacked = jax.tree.map(lambda a: a[None], params)
         state = {
             "params": stacked,
@@ -131,7 +131,7 @@ def test_gd_step_is_params_minus_lr_grad_with_finite_difference_gradient():
         new_state, metrics, _ = fns.step(state, hp, x, y)
 
         flat, unravel = jax.flatten_util.ravel_pytree(params)
-        hp_one = {k: v[0] for k, v in hp.items()}
+        hp_one = jax.tree.map(lambda v: v[0], hp)
         loss = jax.jit(lambda v: fns.loss(unravel(v), hp_one, x, y))
         eps = 1e-6
         basis = np.eye(flat.size)

@@ -21,11 +21,11 @@ from resconv_jax.analysis import probe, theory
 from resconv_jax.config_defaults import load_config_file
 from resconv_jax.data import load_dataset
 from resconv_jax.errors import ConfigError
-from resconv_jax.models import transformer
+from resconv_jax.models import RunSettings, transformer
 from resconv_jax.runtime.checkpoint import Checkpointer
 from resconv_jax.runtime.metrics import read_metrics
 from resconv_jax.step import make_optimizer, make_step_functions
-from resconv_jax.sweep import expand_runs, run_hparams
+from resconv_jax.sweep import expand_runs, run_settings
 
 TINY = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.py")
 PROBE_KEYS = [
@@ -237,7 +237,7 @@ def test_compiled_training_step_moves_no_z_sized_array(mesh_shape, num_runs):
     put_data = functools.partial(sharding.put, sharding=sharding.data_sharding(mesh))
     x, y = put_data(data.x_train), put_data(data.y_train)
     on_runs = sharding.run_sharding(mesh)
-    hp = sharding.put_tree(run_hparams(runs), on_runs)
+    hp = sharding.put_tree(run_settings(runs), on_runs)
     optimizer = make_optimizer(config.optim)
     params = train._init_params(transformer.make_model(model_cfg), runs)
     state = sharding.put_tree(train._init_state(params, runs, optimizer), on_runs)
@@ -314,7 +314,7 @@ def test_kernel_from_j_jt_and_jt_j_share_nonzero_eigenvalues():
         params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), params)
         model = transformer.make_model(model_cfg)
         fns = make_step_functions(model, make_optimizer(config.optim), "sum", 1)
-        hp = {"beta_attn": jnp.float64(1.0), "beta_ffn": jnp.float64(1.0)}
+        hp = RunSettings(jnp.float64(1.0), jnp.float64(1.0))
         x = jnp.asarray(data.x_train, jnp.float64)
         theta, unravel = ravel_pytree(params)
 

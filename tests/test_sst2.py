@@ -21,7 +21,6 @@ from resconv_jax.data.sst2 import (
     SST2DataError,
     bundled_bytes,
     bundled_tables,
-    default_sst2_config,
     gpt2_tokenizer,
     load_sst2,
     parse_sst2_tsv,
@@ -63,7 +62,7 @@ def write_folder(folder: Path, train: bytes, dev: bytes, gz=(False, True)) -> Pa
 
 
 def cfg_for(**overrides):
-    cfg = default_sst2_config()
+    cfg = sst2.default_config()
     cfg.update(overrides)
     return cfg
 
@@ -269,7 +268,7 @@ def test_num_val_takes_the_first_dev_rows(bundled):
 
 
 def test_tfds_builder_gives_the_same_arrays(tmp_path: Path, small_folder: Path):
-    from resconv_jax.data import sst2_tfds
+    from resconv_jax.data.formats import sst2_tfds
 
     data_dir = tmp_path / "tfds"
     cfg = cfg_for(source="file", path=str(small_folder), num_train=120, seed=5, max_tokens=16)
@@ -287,7 +286,7 @@ def test_tfds_builder_gives_the_same_arrays(tmp_path: Path, small_folder: Path):
 
 
 def test_tfds_bad_data_writes_nothing(tmp_path: Path):
-    from resconv_jax.data import sst2_tfds
+    from resconv_jax.data.formats import sst2_tfds
 
     folder = write_folder(tmp_path / "glue", tsv([("ok", 1)]) + b"x\t7\n", tsv([("ok", 0)]))
     data_dir = tmp_path / "tfds"
@@ -306,7 +305,7 @@ def test_sst2_config_trains_a_tiny_random_gpt2(tmp_path):
     config = load_config_file(
         os.path.join(os.path.dirname(__file__), "..", "configs", "sst2.py"),
         **{
-            "model.weights": "random",
+            "model.gpt2.weights": "random",
             "sweep.num_layers": (1, 2),
             "train.num_steps": 10,
             "train.log_every": 5,
@@ -318,7 +317,7 @@ def test_sst2_config_trains_a_tiny_random_gpt2(tmp_path):
         },
     )
     with config.unlocked():
-        config.model.gpt2_shape.update(n_embd=16, n_head=2, n_layer=3, n_positions=16)
+        config.model.gpt2.shape.update(n_embd=16, n_head=2, n_layer=3, n_positions=16)
     summaries = experiments.run(config, str(tmp_path))
     assert [(s["num_layers"], s["beta_attn"]) for s in summaries] == [
         (1, 0.0),
@@ -344,10 +343,10 @@ def test_a_one_element_depth_sweep_beyond_the_checkpoint_is_refused(tmp_path):
 
     config = load_config_file(
         os.path.join(os.path.dirname(__file__), "..", "configs", "sst2.py"),
-        **{"model.weights": "random", "sweep.num_layers": (6,), "data.num_train": 8},
+        **{"model.gpt2.weights": "random", "sweep.num_layers": (6,), "data.num_train": 8},
     )
     with config.unlocked():
-        config.model.gpt2_shape.update(n_embd=16, n_head=2, n_layer=3, n_positions=64)
+        config.model.gpt2.shape.update(n_embd=16, n_head=2, n_layer=3, n_positions=64)
     with pytest.raises(ValueError, match="num_layers=6 must be between 1 and n_layer=3"):
         train.run(config, str(tmp_path / "w"))
     assert not (tmp_path / "w").exists()

@@ -156,7 +156,7 @@ def test_diverging_run_stops_with_one_line_and_keeps_checkpoint(tmp_path):
     "overrides, expected",
     [
         ({"data.num_samples": -3}, "config.data.num_samples=-3: must be positive"),
-        ({"model.d_h": 0}, "config.model.d_h=0: must be positive"),
+        ({"model.transformer.d_h": 0}, "config.model.transformer.d_h=0: must be positive"),
         ({"optim.lr": 0.0}, "step size must be a number > 0"),
         ({"sweep.lr": (0.1, -1.0)}, "config.sweep.lr=-1.0"),
         ({"model.beta_attn": -0.5}, "config.model.beta_attn=-0.5"),

@@ -1,13 +1,24 @@
-"""Data sets: synthetic theory data, Jena Climate and SST-2, as full-batch arrays.
+"""Data sets by name: `config.data.name = NAME` is the module `resconv_jax.data.NAME`, which
+provides
 
-`load_dataset(config)` returns a `Dataset` for `config.data.name`; the training loop puts its arrays
-on device once, sharded over the mesh's 'data' axis.
+    default_config() -> ConfigDict   the whole `config.data` section (with name = NAME)
+    load(data_cfg) -> Dataset        full-batch arrays; the trainer shards them over 'data'
+
+and may provide `shapes(data_cfg, dim)` with `check_size(data_cfg, dim)` (its sizes, and a size
+that cannot fit, from the config alone, before anything is drawn; `dim` the widest of a width
+sweep, or 0). The file formats behind them are in `formats/`. Adding a data set is one new module
+here; no list elsewhere changes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
+import pkgutil
+from types import ModuleType
 
+import jax
 import numpy as np
 
 
@@ -17,7 +28,9 @@ class Dataset:
 
     x_train: the model's inputs, (P, M, d) windows or {"ids", "mask"} (P, T) tokens; y_train:
     (P, M, d_y) regression targets or (P,) int class labels; x_val, y_val likewise with P_val
-    samples, or None.
+    samples, or None. teacher_seed: when set, y_train is a placeholder of the right shape, to be
+    replaced by the outputs of a random model of the trained architecture
+    (`with_teacher_targets`).
     """
 
     x_train: np.ndarray | dict[str, np.ndarray]
@@ -25,6 +38,7 @@ class Dataset:
     x_val: np.ndarray | dict[str, np.ndarray] | None
     y_val: np.ndarray | None
     description: str
+    teacher_seed: int | None = None
 
     @property
     def num_train(self) -> int:
@@ -36,32 +50,38 @@ class Dataset:
         """P_val, the validation samples (0 without a validation set)."""
         return 0 if self.y_val is None else int(self.y_val.shape[0])
 
+    def with_teacher_targets(self, model) -> Dataset:
+        """Targets Y_p = F_teacher(X_p) of `model` (a `models.Model`) at parameters drawn from
+        `teacher_seed`, both residuals at 1, rescaled to unit variance."""
+        from resconv_jax.models.interface import RunSettings
+
+        params = model.init(self.teacher_seed)
+        y = np.asarray(jax.jit(lambda p, x: model.apply(p, x, RunSettings()))(params, self.x_train))
+        return dataclasses.replace(self, y_train=y / y.std(), teacher_seed=None)
+
+
+@functools.cache
+def data_names() -> tuple[str, ...]:
+    """The data sets that exist: the modules of this package with `default_config` and `load`."""
+    names = []
+    for info in pkgutil.iter_modules(__path__):
+        if info.ispkg or info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        if callable(getattr(module, "default_config", None)) and callable(
+            getattr(module, "load", None)
+        ):
+            names.append(info.name)
+    return tuple(sorted(names))
+
+
+def data_module(name: str) -> ModuleType:
+    """The module of data set `name` (one of `data_names()`)."""
+    if name not in data_names():
+        raise ValueError(f"no data set {name!r} (the data sets: {', '.join(data_names())})")
+    return importlib.import_module(f"{__name__}.{name}")
+
 
 def load_dataset(config) -> Dataset:
-    """Builds the data set named by `config.data.name` ("synthetic", "jena" or "sst2")."""
-    name = config.data.name
-    if name == "synthetic":
-        from resconv_jax.data.synthetic import make_synthetic
-
-        return make_synthetic(config.data, config.model)
-    if name == "jena":
-        from resconv_jax.data.jena import load_jena
-
-        splits = load_jena(config.data)
-        return Dataset(
-            splits.x_train, splits.y_train, splits.x_val, splits.y_val, description=splits.source
-        )
-    if name == "sst2":
-        from resconv_jax.data.sst2 import load_sst2
-
-        s = load_sst2(config.data)
-        return Dataset(
-            {"ids": s.ids_train, "mask": s.mask_train},
-            s.labels_train,
-            {"ids": s.ids_val, "mask": s.mask_val},
-            s.labels_val,
-            description=s.description,
-        )
-    raise ValueError(
-        f"config.data.name: unknown data set {name!r} (expected synthetic, jena or sst2)"
-    )
+    """The data set named by `config.data.name`, loaded from `config.data`."""
+    return data_module(config.data.name).load(config.data)

@@ -22,20 +22,22 @@ import http.client
 import os
 import urllib.error
 import urllib.request
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import ml_collections
 import numpy as np
 
-from resconv_jax.data.fields import int_field
-from resconv_jax.data.jena_csv import (
+from resconv_jax.data import Dataset
+from resconv_jax.data.formats.fields import int_field
+from resconv_jax.data.formats.jena_csv import (
+    BUNDLED_NAME,
     JENA_COLUMNS,
     TARGET_COLUMN,
     WIND_COLUMNS,
     JenaDataError,
     JenaTable,
+    bundled_csv_bytes,
     check_order,
     check_sha256,
     format_timestamp,
@@ -48,12 +50,13 @@ __all__ = [
     "JENA_URL",
     "JenaDataError",
     "JenaSplits",
-    "default_jena_config",
+    "default_config",
     "load_jena",
     "load_table",
     "make_splits",
 ]
 
+NAME = __name__.rpartition(".")[2]
 JENA_URL = (
     "https://storage.googleapis.com/tensorflow/tf-keras-datasets/jena_climate_2009_2016.csv.zip"
 )
@@ -61,7 +64,6 @@ JENA_ZIP_NAME = "jena_climate_2009_2016.csv.zip"
 # git blob id of the canonical CSV inside JENA_URL's zip (same in several unrelated repos).
 JENA_CSV_GIT_BLOB = "3dc17139ed8afe4f693b3b88cbdd6e3a69e2de0c"
 DOWNLOAD_TIMEOUT_S = 15.0
-BUNDLED_NAME = "jena_hourly_sample.csv.gz"
 SOURCES = ("bundled", "file", "download", "tfds")
 _WIND_SENTINEL = -9990.0  # wind speeds at or below this are the station's -9999 error code
 _FLAT_RTOL = 1e-6  # train std <= _FLAT_RTOL * (|mean| + 1): (near-)constant, not standardized
@@ -72,9 +74,11 @@ _MAX_ROBUST_Z = 100.0
 _LISTED = 3  # how many line numbers a summary lists
 
 
-def default_jena_config() -> ml_collections.ConfigDict:
-    """Defaults for `load_jena` (P = 256 windows of M = 24 hours, all features, no lift)."""
+def default_config() -> ml_collections.ConfigDict:
+    """The `config.data` section of Jena (P = 256 windows of M = 24 hours, all features, no
+    lift); `load_jena`'s fields."""
     cfg = ml_collections.ConfigDict()
+    cfg.name = NAME
     cfg.source = "bundled"  # "bundled" (2009-2010 sample, packaged) | "file" | "download" | "tfds"
     cfg.path = ""  # CSV/.csv.gz/.zip for source=file; for tfds: CSV to prepare from ("" = bundled)
     cfg.cache_dir = ""  # download cache and default tfds data_dir ("" = ~/.cache/resconv_jax)
@@ -119,7 +123,7 @@ _int_field = functools.partial(int_field, error=JenaDataError, label="jena")
 
 def _check_config(cfg: Any) -> dict[str, Any]:
     """The config's fields, validated, with defaults for missing ones."""
-    d = default_jena_config()
+    d = default_config()
     c = {k: getattr(cfg, k, d[k]) for k in ("source", "path", "cache_dir", "sha256")}
     c["tfds_data_dir"] = getattr(cfg, "tfds_data_dir", "")
     if c["source"] not in SOURCES:
@@ -155,11 +159,6 @@ def _check_config(cfg: Any) -> dict[str, Any]:
 
 def _cache_dir(c: dict[str, Any]) -> Path:
     return Path(c["cache_dir"] or "~/.cache/resconv_jax").expanduser()
-
-
-def bundled_csv_bytes() -> bytes:
-    """The gzip bytes of the bundled hourly sample (see bundled/JENA_PROVENANCE.md)."""
-    return (resources.files("resconv_jax.data") / "bundled" / BUNDLED_NAME).read_bytes()
 
 
 def download_zip(cache_dir: Path) -> Path:
@@ -205,7 +204,7 @@ def load_table(cfg: Any) -> tuple[JenaTable, str]:
                 "(delete the file to download it again)"
             )
         return parse_jena_csv(content, name), f"download {zip_path}"
-    from resconv_jax.data import jena_tfds  # tensorflow_datasets is slow to import
+    from resconv_jax.data.formats import jena_tfds  # tensorflow_datasets is slow to import
 
     data_dir = c["tfds_data_dir"] or str(_cache_dir(c) / "tfds")
     table = jena_tfds.load_table(data_dir, c["path"] or None)
@@ -434,10 +433,19 @@ def make_splits(table: JenaTable, cfg: Any, source: str = "") -> JenaSplits:
 
 
 def load_jena(cfg: Any) -> JenaSplits:
-    """Load Jena Climate windows as configured (fields: see `default_jena_config`).
+    """Load Jena Climate windows as configured (fields: see `default_config`).
 
     Returns x_train (P, M, d), y_train (P, M, 1), the same for val and test (all their
     windows unless num_val is set), float32; see `JenaSplits`.
     """
     table, source = load_table(cfg)
     return make_splits(table, cfg, source)
+
+
+def load(cfg: Any) -> Dataset:
+    """The Jena data set of `config.data` (`load_jena`): its train windows, its validation
+    windows as the validation set."""
+    splits = load_jena(cfg)
+    return Dataset(
+        splits.x_train, splits.y_train, splits.x_val, splits.y_val, description=splits.source
+    )

@@ -22,10 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import gzip
 import json
-import zlib
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +31,21 @@ import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors
 
-from resconv_jax.data.fields import int_field
+from resconv_jax.data import Dataset
+from resconv_jax.data.formats.fields import int_field
+from resconv_jax.data.formats.sst2_tsv import (
+    BUNDLED_DEV,
+    BUNDLED_TRAIN,
+    SHOWN,
+    SST2Table,
+    bundled_bytes,
+    bundled_tables,
+    decode_text,
+    file_tables,
+    parse_sst2_tsv,
+    read_tsv_bytes,
+    split_file,
+)
 from resconv_jax.errors import SST2DataError, in_file
 
 __all__ = [
@@ -45,7 +56,7 @@ __all__ = [
     "SST2Table",
     "bundled_bytes",
     "bundled_tables",
-    "default_sst2_config",
+    "default_config",
     "file_tables",
     "gpt2_tokenizer",
     "load_sst2",
@@ -58,13 +69,10 @@ __all__ = [
     "tokenize",
 ]
 
+NAME = __name__.rpartition(".")[2]
 EOS_ID = 50256  # GPT-2's <|endoftext|>
 PAD_ID = EOS_ID  # padding id; the mask, not the id, marks padding
-HEADER = "sentence\tlabel"
 SOURCES = ("bundled", "file", "tfds")
-SPLIT_FILES = {"train": "train.tsv", "dev": "dev.tsv"}
-BUNDLED_TRAIN = "sst2_train_head4000.tsv.gz"
-BUNDLED_DEV = "sst2_dev.tsv.gz"
 BUNDLED_VOCAB = "gpt2_vocab.json.gz"
 BUNDLED_MERGES = "gpt2_merges.txt.gz"
 # sha256 of the decompressed bundled files (see the provenance files beside them).
@@ -74,40 +82,10 @@ BUNDLED_SHA256 = {
     BUNDLED_VOCAB: "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
     BUNDLED_MERGES: "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
 }
-_SHOWN = 40  # characters of a bad field quoted in a message
 
 
 _in_file = functools.partial(in_file, SST2DataError)
 _int_field = functools.partial(int_field, error=SST2DataError, label="sst2")
-
-
-@dataclasses.dataclass(frozen=True)
-class SST2Table:
-    """The labelled rows of one SST-2 TSV, in file order.
-
-    Attributes:
-      name: the file, for messages.
-      sentences: N sentences, surrounding whitespace stripped.
-      labels: (N,) int32, 0 = negative, 1 = positive.
-      lines: (N,) int64 line number of each row in the file (the header is line 1).
-    """
-
-    name: str
-    sentences: tuple[str, ...]
-    labels: np.ndarray
-    lines: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.sentences)
-
-    def take(self, index: np.ndarray) -> SST2Table:
-        """The rows at the (K,) integer `index`, in that order."""
-        return dataclasses.replace(
-            self,
-            sentences=tuple(self.sentences[int(i)] for i in index),
-            labels=self.labels[index],
-            lines=self.lines[index],
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,9 +111,11 @@ class SST2Splits:
     pad_id: int = PAD_ID
 
 
-def default_sst2_config() -> ml_collections.ConfigDict:
-    """Defaults for `load_sst2` (P = 256 train sentences of at most 64 tokens, all dev rows)."""
+def default_config() -> ml_collections.ConfigDict:
+    """The `config.data` section of SST-2 (P = 256 train sentences of at most 64 tokens, all dev
+    rows); `load_sst2`'s fields."""
     cfg = ml_collections.ConfigDict()
+    cfg.name = NAME
     cfg.source = "bundled"  # "bundled" (4000 train + 872 dev GLUE rows, packaged) | "file" | "tfds"
     cfg.path = ""  # folder with train.tsv[.gz] and dev.tsv[.gz]; for tfds "" = the bundled sample
     cfg.tokenizer_dir = ""  # folder: tokenizer.json, or vocab.json + merges.txt; "" = bundled
@@ -149,7 +129,7 @@ def default_sst2_config() -> ml_collections.ConfigDict:
 
 def _check_config(cfg: Any) -> dict[str, Any]:
     """The config's fields, validated, with defaults for missing ones."""
-    d = default_sst2_config()
+    d = default_config()
     c = {k: str(getattr(cfg, k, d[k]) or "") for k in ("source", "path", "tokenizer_dir")}
     c["tfds_data_dir"] = str(getattr(cfg, "tfds_data_dir", "") or "")
     if c["source"] not in SOURCES:
@@ -163,90 +143,6 @@ def _check_config(cfg: Any) -> dict[str, Any]:
         if c[key] == 0:
             raise SST2DataError(f"sst2 config: {key} must be -1 (all) or > 0, got 0")
     return c
-
-
-def read_tsv_bytes(path: str | Path) -> tuple[bytes, str]:
-    """The bytes of a plain or gzip file (by content, not by suffix), and its name."""
-    name = str(path)
-    try:
-        raw = Path(path).read_bytes()
-    except OSError as e:
-        raise _in_file(name, f"cannot read ({e.strerror or e})") from None
-    if raw[:2] != b"\x1f\x8b":
-        return raw, name
-    try:
-        return gzip.decompress(raw), name
-    except (OSError, EOFError, zlib.error) as e:
-        raise _in_file(name, f"corrupt gzip data ({e})") from None
-
-
-def _decode(content: bytes, name: str) -> str:
-    try:
-        return content.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = content.count(b"\n", 0, e.start) + 1
-        raise _in_file(name, f"not UTF-8 text ({e.reason} at byte {e.start})", line) from None
-
-
-def _parse_row(row: str, name: str, line: int) -> tuple[str, int]:
-    """(sentence stripped, label) of one `sentence<TAB>label` row."""
-    fields = row.split("\t")
-    if len(fields) != 2:
-        problem = "no tab" if len(fields) == 1 else f"{len(fields)} tab-separated fields"
-        raise _in_file(name, f"{problem}, expected 'sentence<TAB>label': {row[:_SHOWN]!r}", line)
-    sentence, label = fields[0].strip(), fields[1].strip()
-    if label not in ("0", "1"):
-        raise _in_file(name, f"label {label[:_SHOWN]!r}, expected 0 or 1", line)
-    if not sentence:
-        raise _in_file(name, "empty sentence", line)
-    return sentence, int(label)
-
-
-def parse_sst2_tsv(content: bytes, name: str) -> SST2Table:
-    """Parse GLUE SST-2 TSV text (train or dev format); `name` is used in error messages."""
-    lines = _decode(content, name).split("\n")
-    while lines and not lines[-1].strip():
-        lines.pop()
-    if not lines:
-        raise _in_file(name, "empty file (no header, no data rows)")
-    if lines[0].rstrip("\r") != HEADER:
-        raise _in_file(name, f"missing header {HEADER!r}, got {lines[0][:_SHOWN]!r}", 1)
-    if len(lines) == 1:
-        raise _in_file(name, "no data rows (header only)", 1)
-    rows = [_parse_row(row, name, i) for i, row in enumerate(lines[1:], start=2)]
-    return SST2Table(
-        name=name,
-        sentences=tuple(s for s, _ in rows),
-        labels=np.array([y for _, y in rows], np.int32),
-        lines=np.arange(2, len(rows) + 2, dtype=np.int64),
-    )
-
-
-def split_file(folder: str | Path, split: str) -> Path:
-    """`folder/train.tsv` or `folder/train.tsv.gz` (split "train"; "dev" likewise)."""
-    base = Path(folder) / SPLIT_FILES[split]
-    found = [p for p in (base, base.with_name(base.name + ".gz")) if p.is_file()]
-    if len(found) != 1:
-        problem = "both" if found else "neither"
-        raise _in_file(str(folder), f"{problem} of {base.name} and {base.name}.gz found (need one)")
-    return found[0]
-
-
-def bundled_bytes(name: str) -> bytes:
-    """The decompressed content of a bundled file (see the provenance files in bundled/)."""
-    return gzip.decompress((resources.files("resconv_jax.data") / "bundled" / name).read_bytes())
-
-
-def bundled_tables() -> tuple[SST2Table, SST2Table]:
-    """The bundled train sample (4000 rows) and dev split (872 rows)."""
-    return tuple(
-        parse_sst2_tsv(bundled_bytes(n), f"{n} (bundled)") for n in (BUNDLED_TRAIN, BUNDLED_DEV)
-    )
-
-
-def file_tables(folder: str | Path) -> tuple[SST2Table, SST2Table]:
-    """The train and dev tables of a folder holding GLUE's `train.tsv[.gz]`, `dev.tsv[.gz]`."""
-    return tuple(parse_sst2_tsv(*read_tsv_bytes(split_file(folder, s))) for s in SPLIT_FILES)
 
 
 def _bpe_tokenizer(vocab: dict[str, int], merges: list[tuple[str, str]]) -> tokenizers.Tokenizer:
@@ -266,12 +162,12 @@ def _parse_vocab_merges(vocab_text: bytes, merges_text: bytes, name: str):
     except ValueError as e:
         raise _in_file(f"{name}/vocab.json", f"not a JSON vocabulary ({e})") from None
     merges = []
-    for i, row in enumerate(_decode(merges_text, f"{name}/merges.txt").split("\n"), start=1):
+    for i, row in enumerate(decode_text(merges_text, f"{name}/merges.txt").split("\n"), start=1):
         if not row or (i == 1 and row.startswith("#version")):
             continue
         pair = row.split(" ")
         if len(pair) != 2:
-            raise _in_file(f"{name}/merges.txt", f"expected 'left right', got {row[:_SHOWN]!r}", i)
+            raise _in_file(f"{name}/merges.txt", f"expected 'left right', got {row[:SHOWN]!r}", i)
         merges.append((pair[0], pair[1]))
     return vocab, merges
 
@@ -328,7 +224,7 @@ def load_tables(cfg: Any) -> tuple[SST2Table, SST2Table, str]:
     if c["source"] == "file":
         train, dev = file_tables(c["path"])
         return train, dev, f"file {train.name} + {dev.name}"
-    from resconv_jax.data import sst2_tfds  # tensorflow_datasets is slow to import
+    from resconv_jax.data.formats import sst2_tfds  # tensorflow_datasets is slow to import
 
     data_dir = c["tfds_data_dir"] or str(Path("~/.cache/resconv_jax/tfds").expanduser())
     train, dev = sst2_tfds.load_tables(data_dir, c["path"] or None)
@@ -376,10 +272,23 @@ def make_splits(train: SST2Table, dev: SST2Table, cfg: Any, source: str = "") ->
 
 
 def load_sst2(cfg: Any) -> SST2Splits:
-    """Load SST-2 as configured (fields: see `default_sst2_config`).
+    """Load SST-2 as configured (fields: see `default_config`).
 
     Returns ids_train/mask_train (P, T) int32, labels_train (P,) int32, the same for the dev rows
     (P_val = 872 unless num_val is set), T = max_tokens; see `SST2Splits`.
     """
     train, dev, source = load_tables(cfg)
     return make_splits(train, dev, cfg, source)
+
+
+def load(cfg: Any) -> Dataset:
+    """The SST-2 data set of `config.data` (`load_sst2`): token ids and masks (P, T) with their
+    labels (P,), the dev rows as the validation set."""
+    s = load_sst2(cfg)
+    return Dataset(
+        {"ids": s.ids_train, "mask": s.mask_train},
+        s.labels_train,
+        {"ids": s.ids_val, "mask": s.mask_val},
+        s.labels_val,
+        description=s.description,
+    )

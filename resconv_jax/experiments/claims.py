@@ -135,7 +135,7 @@ def certificate(workdir) -> Claim:
         return missing
     runs = _read_json(wd.path(workdir) / "summary.json")
     config = _read_json(wd.path(workdir) / "config.json")
-    activation = config["model"]["activation"]
+    activation = config["model"]["transformer"]["activation"]
     if not all("certificate_hold_fraction" in r for r in runs):
         return dataclasses.replace(claim, note="a run has no certificate checks logged")
     value = ", ".join(

@@ -38,13 +38,13 @@ from resconv_jax.errors import ConfigError
 from resconv_jax.models import transformer
 from resconv_jax.runtime import workdir as wd
 from resconv_jax.runtime.workdir import WorkdirLock, make_folder, write_csv, write_json, write_png
-from resconv_jax.validation import CHOICES, check_workdir, validate_config
+from resconv_jax.validation import check_workdir, validate_config
 
 CSV_FILE = "rank_collapse.csv"
 SEEDS_CSV_FILE = "rank_collapse_seeds.csv"
 PLOT_FILE = "rank_collapse.png"
 CONFIG_FILE = "config.json"
-QK_INITS = CHOICES["model.qk_init"]
+QK_INITS = transformer.QK_INITS
 # σ_min/σ_max below this is rounding, not spectrum: float32 attention of M ≤ 10³ tokens (a float64
 # recomputation agrees to 1e-3 relative at 3e-6, and gives 1e-9 to 1e-15 where float32 says 1e-8).
 FLOAT32_FLOOR = 1e-7
@@ -317,11 +317,11 @@ def run(config, workdir: str) -> list[dict]:
             cfg = transformer.ModelConfig(
                 d=d,
                 d_qk=d_qk,
-                d_h=config.model.d_h,
+                d_h=config.model.transformer.d_h,
                 d_y=1,
                 qk_init=qk_init,
-                qk_scale=config.model.qk_scale,
-                v_scale=config.model.v_scale,
+                qk_scale=config.model.transformer.qk_scale,
+                v_scale=config.model.transformer.v_scale,
                 dtype=dtype,
             )
             graphdef, params = make_blocks(cfg, seeds)

@@ -1,53 +1,50 @@
-"""Models behind one interface (`interface.Model`): the paper's Transformer and GPT-2.
+"""Models by name: `config.model.name = NAME` is the module `resconv_jax.models.NAME` (a file or a
+folder), which provides
 
-`build_model(config.model, dataset)` builds the one named by `config.model.name` for the data's
-shapes; the trainer imports no concrete model.
+    default_config() -> ConfigDict   its own section, config.model.NAME
+    build(model_cfg, dataset) -> Model   (`interface.Model`), for the data's shapes
+
+and may provide `validate(model_cfg)` (ConfigError for a value it cannot run), `check_available(
+model_cfg)` (weights it needs, found before anything else) and `check_size(model_cfg, **shapes)`
+(a size that cannot fit, refused from the shapes). `model_cfg` is the whole `config.model`
+section: the shared fields (name, num_layers, dtype, beta_attn, beta_ffn) and every model's own
+section. Adding a model is one new module here; no list elsewhere changes.
 """
 
 from __future__ import annotations
 
-import numpy as np
+import functools
+import importlib
+import pkgutil
+from types import ModuleType
 
-from resconv_jax.models.interface import Model
+from resconv_jax.models.interface import Model, RunSettings
 
-__all__ = ["Model", "build_model"]
+__all__ = ["Model", "RunSettings", "build_model", "model_module", "model_names"]
+
+
+@functools.cache
+def model_names() -> tuple[str, ...]:
+    """The models that exist: the modules of this package with `default_config` and `build`."""
+    names = []
+    for info in pkgutil.iter_modules(__path__):
+        if info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        if callable(getattr(module, "default_config", None)) and callable(
+            getattr(module, "build", None)
+        ):
+            names.append(info.name)
+    return tuple(sorted(names))
+
+
+def model_module(name: str) -> ModuleType:
+    """The module of model `name` (one of `model_names()`)."""
+    if name not in model_names():
+        raise ValueError(f"no model {name!r} (the models: {', '.join(model_names())})")
+    return importlib.import_module(f"{__name__}.{name}")
 
 
 def build_model(model_cfg, dataset) -> Model:
-    """`model_cfg.name`: "transformer" (the paper's, sized by the data's d and d_y) or "gpt2"
-    (`model_cfg.weights`: a Hugging Face folder, a hub id, or "random" of `model_cfg.gpt2_shape`;
-    truncated to `model_cfg.num_layers` blocks, a head with one output per class)."""
-    name = model_cfg.get("name", "transformer")
-    if name == "transformer":
-        from resconv_jax.models import transformer
-
-        d, d_y = dataset.x_train.shape[-1], dataset.y_train.shape[-1]
-        return transformer.make_model(transformer.model_config(model_cfg, d=d, d_y=d_y))
-    from resconv_jax.models import gpt2, weights
-
-    num_classes = int(np.max(dataset.y_train)) + 1
-    shape = dict(model_cfg.gpt2_shape) if model_cfg.weights == "random" else None
-    cfg, graphdef, body = weights.load_gpt2(
-        model_cfg.weights,
-        num_layers=model_cfg.num_layers,
-        num_classes=num_classes,
-        seed=0,
-        shape=shape,
-        dtype=model_cfg.dtype,
-    )
-
-    def init(seed: int) -> dict:
-        if shape:  # a random model: all of it from the run's seed
-            return gpt2.init_params(cfg, seed)[1]
-        return body | {"head": gpt2.init_head(cfg, seed)}
-
-    origin = "random init (not the pretrained model)" if shape else model_cfg.weights
-    return Model(
-        graphdef=graphdef,
-        forward=gpt2.apply,
-        init=init,
-        description=(
-            f"GPT-2 {origin}: first {cfg.num_layers} of {cfg.n_layer} blocks, d={cfg.n_embd}, "
-            f"{cfg.n_head} heads, a ({cfg.n_embd}, {num_classes}) head drawn from each run's seed"
-        ),
-    )
+    """The model named by `model_cfg.name`, built for `dataset`'s shapes."""
+    return model_module(model_cfg.name).build(model_cfg, dataset)

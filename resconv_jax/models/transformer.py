@@ -14,6 +14,9 @@ control). A stack of L blocks is read out by one head, F = H^{(L)} W_U (M × d_y
 The residual coefficients β_a, β_f are call arguments, not parameters: a sweep over β runs one
 program whose runs share the parameter structure, and the same seed gives the same weights for
 every β.
+
+`config.model.name = "transformer"`; its own fields are `config.model.transformer.*`
+(`default_config`), its depth and dtype the shared `config.model.num_layers`, `.dtype`.
 """
 
 from __future__ import annotations
@@ -24,10 +27,35 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 from flax import nnx
 
+from resconv_jax.errors import ConfigError
 from resconv_jax.models.fast_ops import matmul, matmul_nt, plain_matmul_nt, softmax_rows
-from resconv_jax.models.interface import Model
+from resconv_jax.models.interface import Model, RunSettings
+from resconv_jax.runtime import memory
+
+NAME = __name__.rpartition(".")[2]  # this model's name and its config section
+QK_INITS = ("1/d", "1/d_qk")
+
+
+def default_config() -> ml_collections.ConfigDict:
+    """This model's own fields: `config.model.transformer.*`."""
+    c = ml_collections.ConfigDict()
+    c.d_qk = 8  # query/key width d_QK
+    c.d_h = 32  # MLP hidden width d_h
+    c.qk_init = "1/d"  # W_Q, W_K entry variance: "1/d" or "1/d_qk" (times qk_scale²)
+    c.qk_scale = 1.0  # init scale of W_Q, W_K
+    c.v_scale = 1.0  # init scale of W_V (variance scale²/d)
+    c.mlp_scale = 1.0  # init scale of W_1 (scale²/d), W_2 (scale²/d_h)
+    c.head_scale = 1.0  # init scale of W_U (scale²/d)
+    # σ of the MLP: relu (the paper's), gelu, softplus (smooth: Assumption 1), identity (a linear
+    # control)
+    c.activation = "relu"
+    # Gradients through custom-VJP products (`fast_ops`: canonical backward dots, the same
+    # gradients, faster on XLA:CPU); False: plain autodiff, for comparisons.
+    c.fast_backward = True
+    return c
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,20 +90,37 @@ ACTIVATIONS = {
 
 def model_config(model_cfg, *, d: int, d_y: int) -> ModelConfig:
     """`ModelConfig` from the `config.model` section, with widths d and d_y taken from the data."""
+    own = model_cfg[NAME]
     return ModelConfig(
         d=d,
-        d_qk=model_cfg.d_qk,
-        d_h=model_cfg.d_h,
+        d_qk=own.d_qk,
+        d_h=own.d_h,
         d_y=d_y,
         num_layers=model_cfg.num_layers,
-        qk_init=model_cfg.qk_init,
-        qk_scale=model_cfg.qk_scale,
-        v_scale=model_cfg.v_scale,
-        mlp_scale=model_cfg.mlp_scale,
-        head_scale=model_cfg.head_scale,
+        qk_init=own.qk_init,
+        qk_scale=own.qk_scale,
+        v_scale=own.v_scale,
+        mlp_scale=own.mlp_scale,
+        head_scale=own.head_scale,
         dtype=model_cfg.dtype,
-        activation=model_cfg.get("activation", "relu"),
+        activation=own.activation,
     )
+
+
+def validate(model_cfg) -> None:
+    """ConfigError (one line) for the first field of `config.model.transformer` it cannot run."""
+    own = model_cfg[NAME]
+    for field, allowed in (("qk_init", QK_INITS), ("activation", tuple(ACTIVATIONS))):
+        if own[field] not in allowed:
+            raise ConfigError(
+                f"config.model.{NAME}.{field}={own[field]!r}: expected one of {', '.join(allowed)}"
+            )
+    for field in ("d_qk", "d_h"):
+        value = own[field]
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(f"config.model.{NAME}.{field}={value!r}: expected an integer >= 1")
+        if value < 1:
+            raise ConfigError(f"config.model.{NAME}.{field}={value}: must be positive")
 
 
 def _gaussian(
@@ -173,16 +218,64 @@ def apply(graphdef: nnx.GraphDef, params: dict, x: jax.Array, beta_attn, beta_ff
     return nnx.merge(graphdef, params)(x, beta_attn, beta_ffn, **kwargs)
 
 
-def make_model(cfg: ModelConfig) -> Model:
-    """The paper's Transformer behind the trainer's `Model` interface."""
+def _forward(graphdef, params, x, settings: RunSettings, *, return_intermediates=False):
+    return apply(graphdef, params, x, *settings, return_intermediates=return_intermediates)
+
+
+def _forward_fast_backward(graphdef, params, x, settings: RunSettings, *, return_intermediates):
+    return apply(
+        graphdef,
+        params,
+        x,
+        *settings,
+        return_intermediates=return_intermediates,
+        fast_backward=True,
+    )
+
+
+def make_model(cfg: ModelConfig, *, fast_backward: bool = True) -> Model:
+    """The paper's Transformer behind the trainer's `Model` interface; `fast_backward`: its
+    gradients through `fast_ops` (`Model.forward_for_grad`)."""
     graphdef, _ = init_params(cfg, 0)
     return Model(
         graphdef=graphdef,
-        forward=apply,
+        forward=_forward,
+        forward_for_grad=_forward_fast_backward if fast_backward else None,
         init=lambda seed: init_params(cfg, seed)[1],
         description=(
             f"Transformer: {cfg.num_layers} block(s), d={cfg.d}, d_qk={cfg.d_qk}, d_h={cfg.d_h}"
             + ("" if cfg.activation == "relu" else f", {cfg.activation} MLP")
         ),
-        fast_backward=True,
+    )
+
+
+def build(model_cfg, dataset) -> Model:
+    """The Transformer of `config.model` for `dataset`'s widths: d of its inputs (P, M, d), d_y of
+    its targets (P, M, d_y)."""
+    d, d_y = dataset.x_train.shape[-1], dataset.y_train.shape[-1]
+    cfg = model_config(model_cfg, d=d, d_y=d_y)
+    return make_model(cfg, fast_backward=model_cfg[NAME].fast_backward)
+
+
+def parameter_and_activation_bytes(
+    model_cfg, *, num_samples: int, seq_len: int, d: int, d_y: int, num_layers: int, runs: int
+) -> tuple[int, int]:
+    """(parameter bytes of every run, activation bytes of one run's step), from the shapes:
+    L·(2·d·d_QK + d² + 2·d·d_h) + d·d_y weights per run, and per sample and layer the
+    M·(4d + 2d_QK + 2M + 2d_h) values its backward keeps. Lower bounds."""
+    itemsize = 8 if model_cfg.dtype == "float64" else 4
+    d_qk, d_h = model_cfg[NAME].d_qk, model_cfg[NAME].d_h
+    weights = num_layers * (2 * d * d_qk + d * d + 2 * d * d_h) + d * d_y
+    kept = num_samples * seq_len * num_layers * (4 * d + 2 * d_qk + 2 * seq_len + 2 * d_h)
+    return itemsize * weights * runs, itemsize * kept
+
+
+def check_size(model_cfg, **shapes) -> None:
+    """ConfigError, from the shapes alone (`parameter_and_activation_bytes`), when the weights
+    and gradients with one run's activations cannot fit (`memory.check_fits`)."""
+    own = model_cfg[NAME]
+    sizes = ", ".join(f"{k}={v}" for k, v in shapes.items())
+    memory.check_fits(
+        f"the Transformer ({sizes}, d_qk={own.d_qk}, d_h={own.d_h})",
+        *parameter_and_activation_bytes(model_cfg, **shapes),
     )

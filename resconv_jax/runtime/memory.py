@@ -63,25 +63,11 @@ def check_synthetic_data(data_cfg, dim: int | None = None) -> None:
         )
 
 
-def transformer_bytes(
-    model_cfg, *, num_samples: int, seq_len: int, d: int, d_y: int, num_layers: int, runs: int
-) -> tuple[int, int]:
-    """(parameter bytes of every run, activation bytes of one run's step) of the paper's
-    Transformer, from the shapes: L·(2·d·d_QK + d² + 2·d·d_h) + d·d_y weights per run, and per
-    sample and layer the M·(4d + 2d_QK + 2M + 2d_h) values its backward keeps. Lower bounds."""
-    itemsize = 8 if model_cfg.dtype == "float64" else 4
-    d_qk, d_h = model_cfg.d_qk, model_cfg.d_h
-    weights = num_layers * (2 * d * d_qk + d * d + 2 * d * d_h) + d * d_y
-    kept = num_samples * seq_len * num_layers * (4 * d + 2 * d_qk + 2 * seq_len + 2 * d_h)
-    return itemsize * weights * runs, itemsize * kept
-
-
-def check_transformer_size(model_cfg, **shapes) -> None:
-    """Refuses, from the shapes alone (before anything is built or drawn), a paper Transformer
-    whose weights and gradients (`transformer_bytes`) with one run's activations cannot fit the
-    memory available: on a CPU the host's; on accelerators each device's, weights replicated and
-    activations spread over all devices. `shapes`: those of `transformer_bytes`."""
-    weights, activations = transformer_bytes(model_cfg, **shapes)
+def check_fits(what: str, weights: int, activations: int) -> None:
+    """Refuses, before anything is built or drawn, a model (`what`, named in the message) whose
+    `weights` bytes (every run's parameters) and their gradients with one run's `activations`
+    bytes cannot fit the memory available: on a CPU the host's; on accelerators each device's,
+    weights replicated and activations spread over all devices."""
     device = jax.local_devices()[0]
     if device.platform == "cpu":
         need, have, where = 2 * weights + activations, host_available_bytes(), "this host"
@@ -89,13 +75,11 @@ def check_transformer_size(model_cfg, **shapes) -> None:
         need = 2 * weights + activations // jax.device_count()
         have, where = device_available_bytes(device), f"each {device.platform} device"
     if have is not None and need > have:
-        sizes = ", ".join(f"{k}={v}" for k, v in shapes.items())
         raise ConfigError(
-            f"the Transformer ({sizes}, d_qk={model_cfg.d_qk}, d_h={model_cfg.d_h}) needs at "
-            f"least {format_bytes(need)} (weights and gradients {format_bytes(2 * weights)}, "
-            f"one run's activations {format_bytes(activations)}), more than the "
-            f"{format_bytes(have)} free on {where}; reduce the widths, the depth, the samples "
-            "or the runs"
+            f"{what} needs at least {format_bytes(need)} (weights and gradients "
+            f"{format_bytes(2 * weights)}, one run's activations {format_bytes(activations)}), "
+            f"more than the {format_bytes(have)} free on {where}; reduce the widths, the depth, "
+            "the samples or the runs"
         )
 
 

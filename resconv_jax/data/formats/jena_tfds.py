@@ -20,8 +20,13 @@ from typing import Any
 import numpy as np
 import tensorflow_datasets as tfds
 
-from resconv_jax.data.jena import BUNDLED_NAME, bundled_csv_bytes
-from resconv_jax.data.jena_csv import JenaTable, parse_jena_csv, read_csv_bytes
+from resconv_jax.data.formats.jena_csv import (
+    BUNDLED_NAME,
+    JenaTable,
+    bundled_csv_bytes,
+    parse_jena_csv,
+    read_csv_bytes,
+)
 from resconv_jax.errors import JenaDataError
 
 SPLIT = "full"

@@ -20,16 +20,16 @@ from typing import Any
 import numpy as np
 import tensorflow_datasets as tfds
 
-from resconv_jax.data.sst2 import (
+from resconv_jax.data.formats.sst2_tsv import (
     BUNDLED_DEV,
     BUNDLED_TRAIN,
-    SST2DataError,
     SST2Table,
     bundled_bytes,
     parse_sst2_tsv,
     read_tsv_bytes,
     split_file,
 )
+from resconv_jax.errors import SST2DataError
 
 SPLITS = {"train": "train", "dev": "validation"}  # sst2.py's split -> tfds split
 

@@ -35,9 +35,9 @@ from absl import logging
 from flax import nnx, traverse_util
 
 from resconv_jax.errors import WeightsError, WeightsNotFound, one_line
-from resconv_jax.models import gpt2
+from resconv_jax.models.gpt2 import modeling as gpt2
 
-FOLDER_OPTION = "--config.model.weights=FOLDER"
+FOLDER_OPTION = "--config.model.gpt2.weights=FOLDER"
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 SHAPE_NAMES = ("vocab_size", "n_positions", "n_embd", "n_head", "n_layer", "layer_norm_epsilon")
 GPT2_SMALL = {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_head": 12, "n_layer": 12}

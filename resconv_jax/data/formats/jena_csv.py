@@ -17,6 +17,7 @@ import io
 import os
 import zipfile
 import zlib
+from importlib import resources
 
 import numpy as np
 
@@ -266,3 +267,11 @@ def format_timestamp(seconds: int | np.integer) -> str:
     """Seconds since 1970 as the CSV's `dd.mm.yyyy HH:MM:SS`."""
     iso = str(np.datetime64(int(seconds), "s"))
     return f"{iso[8:10]}.{iso[5:7]}.{iso[0:4]} {iso[11:19]}"
+
+
+BUNDLED_NAME = "jena_hourly_sample.csv.gz"
+
+
+def bundled_csv_bytes() -> bytes:
+    """The gzip bytes of the bundled hourly sample (see bundled/JENA_PROVENANCE.md)."""
+    return (resources.files("resconv_jax.data") / "bundled" / BUNDLED_NAME).read_bytes()

@@ -1,0 +1,72 @@
+"""GPT-2 (`config.model.name = "gpt2"`): Hugging Face's GPT-2 truncated to its first L blocks,
+with a classification head (`modeling`), from a checkpoint folder, a hub id, or random
+(`weights`). Its own fields are `config.model.gpt2.*`; its depth L and dtype are the shared
+`config.model.num_layers`, `.dtype`.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+import numpy as np
+
+from resconv_jax.models.gpt2 import modeling, weights
+from resconv_jax.models.interface import Model, RunSettings
+
+NAME = __name__.rpartition(".")[2]
+
+
+def default_config() -> ml_collections.ConfigDict:
+    """This model's own fields: `config.model.gpt2.*`."""
+    c = ml_collections.ConfigDict()
+    # A Hugging Face model folder (config.json + model.safetensors), a hub id such as
+    # "openai-community/gpt2" (its local cache first), or "random" (`shape` below).
+    c.weights = "random"
+    c.shape = ml_collections.ConfigDict(  # GPT-2 small; for weights="random" only
+        {"n_embd": 768, "n_head": 12, "n_layer": 12, "n_positions": 1024, "vocab_size": 50257}
+    )
+    return c
+
+
+def check_available(model_cfg) -> None:
+    """WeightsError (one line) when the named weights cannot be found: before any other work."""
+    if model_cfg[NAME].weights != "random":
+        weights.find_weights(model_cfg[NAME].weights)
+
+
+def _forward(graphdef, params, inputs, settings: RunSettings, *, return_intermediates=False):
+    return modeling.apply(
+        graphdef, params, inputs, *settings, return_intermediates=return_intermediates
+    )
+
+
+def build(model_cfg, dataset) -> Model:
+    """GPT-2's first `model_cfg.num_layers` blocks, with a (d, classes) head for `dataset`'s
+    integer labels (P,); the body from `config.model.gpt2.weights`, the head (and, for random
+    weights, everything) drawn from each run's seed."""
+    own = model_cfg[NAME]
+    num_classes = int(np.max(dataset.y_train)) + 1
+    shape = dict(own.shape) if own.weights == "random" else None
+    cfg, graphdef, body = weights.load_gpt2(
+        own.weights,
+        num_layers=model_cfg.num_layers,
+        num_classes=num_classes,
+        seed=0,
+        shape=shape,
+        dtype=model_cfg.dtype,
+    )
+
+    def init(seed: int) -> dict:
+        if shape:  # a random model: all of it from the run's seed
+            return modeling.init_params(cfg, seed)[1]
+        return body | {"head": modeling.init_head(cfg, seed)}
+
+    origin = "random init (not the pretrained model)" if shape else own.weights
+    return Model(
+        graphdef=graphdef,
+        forward=_forward,
+        init=init,
+        description=(
+            f"GPT-2 {origin}: first {cfg.num_layers} of {cfg.n_layer} blocks, d={cfg.n_embd}, "
+            f"{cfg.n_head} heads, a ({cfg.n_embd}, {num_classes}) head drawn from each run's seed"
+        ),
+    )

@@ -18,13 +18,15 @@ Our protocol (the paper gives no sizes): P = 8, M = 8, d_QK = 16, d_h = 64, the 
 η = 2e-4 for every run (below 1/λ_max(K) at initialization of the most curved run, β = 1 at
 d = 4·P·M), 3000 steps; 11 β × 5 seeds × 3 widths = 165 runs. `:small` (for
 `python -m resconv_jax.reproduce --scale=small`): 5 β × 3 seeds × d ∈ {P·M, 2·P·M}, 1500 steps.
+`:tiny` (a smoke test): β ∈ {0, 1} × seeds {0, 1} × d ∈ {P·M, 2·P·M}, 40 steps.
 """
 
-from resconv_jax.config_defaults import theory_regime_config, variants
+from resconv_jax.config_defaults import shorten, theory_regime_config, variants
 
 
 def get_config(arg=None):
-    small = "small" in variants(arg, "configs/conditioning.py", ("small",))
+    chosen = variants(arg, "configs/conditioning.py", ("small", "tiny"))
+    small = bool(chosen)  # tiny starts from small
     config = theory_regime_config(64)  # d = P·M; each width of sweep.dim replaces it
     config.optim.lr = 2e-4
     config.train.num_steps = 1500 if small else 3000
@@ -39,5 +41,11 @@ def get_config(arg=None):
         config.sweep.beta = tuple(round(0.1 * i, 1) for i in range(11))
         config.sweep.seed = (0, 1, 2, 3, 4)
         config.sweep.dim = (64, 128, 256)
+    if "tiny" in chosen:
+        shorten(config, 40)
+        config.sweep.beta = (0.0, 1.0)
+        config.sweep.seed = (0, 1)
+        config.certificate.every = 40
+        config.probe.every = 20
     config.lock()
     return config

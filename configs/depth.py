@@ -19,15 +19,16 @@ L = 4, η = 1e-4 diverges in 2 steps), so each run takes η = 0.5/λ_max(K) at i
 it): small residual branches, W_V and W_1, W_2 at 0.3 of their default scale, in float64, β = 1
 only (without residuals these branches shrink the signal, and λ_max(K) grows so fast that
 0.5/λ_max at init diverges within 5 steps). `:small` (for `reproduce --scale=small`): 1500
-steps, seeds {0, 1}; `:small,branches` combines both.
+steps, seeds {0, 1}; `:small,branches` combines both. `:tiny` (a smoke test, on top of `small`):
+L ∈ {1, 2}, seed 0, 40 steps.
 """
 
-from resconv_jax.config_defaults import theory_regime_config, variants
+from resconv_jax.config_defaults import shorten, theory_regime_config, variants
 
 
 def get_config(arg=None):
-    chosen = variants(arg, "configs/depth.py", ("small", "branches"))
-    small = "small" in chosen
+    chosen = variants(arg, "configs/depth.py", ("small", "branches", "tiny"))
+    small = "small" in chosen or "tiny" in chosen
     config = theory_regime_config(128)  # d = 2·P·M
     config.optim.lr_rule = "lambda_max"  # η = lr_factor / λ_max(K) per run, at initialization
     config.optim.lr_factor = 0.5  # 1.0 diverged at L = 8, β = 0 (λ_max grows during training)
@@ -43,5 +44,10 @@ def get_config(arg=None):
         config.model.dtype = "float64"
         config.probe.dtype = "float64"
         config.sweep.beta = (1.0,)
+    if "tiny" in chosen:
+        shorten(config, 40)
+        config.sweep.num_layers = (1, 2)
+        config.sweep.seed = (0,)
+        config.probe.every = 20
     config.lock()
     return config

@@ -22,14 +22,17 @@ Full size: the complete record (`--config.data.source=download`, or `=file
 about 2,040 windows of 24 h; scale η down ~8× with the sum loss), more steps
 (`--config.train.num_steps=20000`), and on a pod, `--config.mesh.sweep` to spread the 15 runs.
 Each β can be set on its own: `--config.sweep.beta="()" --config.sweep.beta_attn="(0.0,1.0)"`.
+
+`:small` (for `reproduce --scale=small`): 300 steps, every step's loss logged; `:tiny` (a smoke
+test): 20 steps.
 """
 
-from resconv_jax.config_defaults import base_config, variants
+from resconv_jax.config_defaults import base_config, shorten, variants
 from resconv_jax.data import jena
 
 
 def get_config(arg=None):
-    variants(arg, "configs/jena.py")  # none: refuses any
+    chosen = variants(arg, "configs/jena.py", ("small", "tiny"))
     config = base_config()
     config.data = jena.default_config()  # source, path, seq_len M, num_train P, ... (see jena.py)
     config.model.transformer.d_qk = 6  # query/key width (= d)
@@ -42,5 +45,9 @@ def get_config(arg=None):
     config.train.step_losses_until = 300  # every step's loss over the early window (descent)
     config.sweep.beta = (0.0, 0.25, 0.5, 0.75, 1.0)
     config.sweep.seed = (0, 1, 2)
+    for variant, steps in (("small", 300), ("tiny", 20)):
+        if variant in chosen:
+            shorten(config, steps)
+            config.train.step_losses_until = steps
     config.lock()
     return config

@@ -30,7 +30,7 @@ from resconv_jax.config_defaults import base_config, variants
 
 
 def get_config(arg=None):
-    variants(arg, "configs/rank_collapse.py")  # none: refuses any
+    tiny = "tiny" in variants(arg, "configs/rank_collapse.py", ("tiny",))
     config = base_config()
     config.task = "rank_collapse"
     config.data.name = "synthetic"  # Gaussian X_p ~ N(0, 1)^{M×d}; targets are not used
@@ -46,5 +46,8 @@ def get_config(arg=None):
     config.rank_collapse.qk_inits = ("1/d_qk", "1/d")
     # Parameter-initialization seeds (W_Q, W_K, W_V); results give their mean, min and max.
     config.rank_collapse.seeds = (0, 1, 2, 3, 4)
+    if tiny:  # a smoke test: the two ends of the d_QK axis, two seeds
+        config.rank_collapse.d_qk_values = (1, 4096)
+        config.rank_collapse.seeds = (0, 1)
     config.lock()
     return config

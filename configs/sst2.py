@@ -17,7 +17,9 @@ tokens only.
 
 `configs/sst2.py:random_small` is the offline CPU variant: a random-init GPT-2 (not the pretrained
 model; its output says so) of width 64, 4 heads, 10 blocks, on P = 128 sentences of at most 32
-tokens, for 2 CPU cores.
+tokens, for 2 CPU cores. `:small` (for `reproduce --scale=small`, with either weights): P = 64
+sentences of at most 16 tokens, 100 steps; `:tiny` (a smoke test): P = 16 of at most 8 tokens,
+32 dev sentences, L ∈ {1, 2}, 10 steps.
 """
 
 from resconv_jax.config_defaults import base_config, variants
@@ -25,7 +27,8 @@ from resconv_jax.data import sst2
 
 
 def get_config(arg=None):
-    random_small = "random_small" in variants(arg, "configs/sst2.py", ("random_small",))
+    chosen = variants(arg, "configs/sst2.py", ("random_small", "small", "tiny"))
+    random_small = "random_small" in chosen
     config = base_config()
     config.data = sst2.default_config()  # source, path, max_tokens T, num_train P, ... (sst2.py)
     config.model.name = "gpt2"
@@ -49,5 +52,18 @@ def get_config(arg=None):
         config.model.gpt2.shape.n_positions = 64
         config.data.num_train = 128
         config.data.max_tokens = 32
+    if "small" in chosen:
+        config.data.num_train = 64
+        config.data.max_tokens = 16
+        config.train.num_steps = 100
+    if "tiny" in chosen:
+        config.data.num_train = 16
+        config.data.max_tokens = 8
+        config.data.num_val = 32
+        config.train.num_steps = 10
+        config.sweep.num_layers = (1, 2)
+    if chosen & {"small", "tiny"}:
+        config.train.checkpoint_every = 10
+        config.train.print_every = 10
     config.lock()
     return config

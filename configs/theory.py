@@ -18,19 +18,31 @@ initialization. Measured with this config: λ_max(K) at step 0 is 571 (β = 0), 
 initialization.) With the sum loss, λ_max grows like P·M. `--config.optim.lr_rule=lambda_max`
 instead gives each run η = lr_factor / λ_max(K) at its own initialization.
 
-`--config.model.dtype=float64 --config.probe.dtype=float64` follows the runs below float32's
-loss floor (β = 1 down to ~1e-28; the same initial weights; 18–22 s instead of 15 s).
+`configs/theory.py:float64` (weights and probe in float64) follows the runs below float32's loss
+floor (β = 1 down to ~1e-28; the same initial weights; 18–22 s instead of 15 s). `:softplus` is
+the certificate's premise (a smooth activation, Assumption 1, and η = 0.9/λ_max(K) of each run
+at its initialization); `:tiny` (for `reproduce --scale=tiny`) stops at 40 steps. Variants
+combine: `reproduce` runs `:float64` and `:float64,softplus`.
 """
 
-from resconv_jax.config_defaults import theory_regime_config, variants
+from resconv_jax.config_defaults import shorten, theory_regime_config, variants
 
 
 def get_config(arg=None):
-    variants(arg, "configs/theory.py")  # none: refuses any
+    chosen = variants(arg, "configs/theory.py", ("float64", "softplus", "tiny"))
     config = theory_regime_config(64)  # d = P·M
     config.optim.lr = 4e-4  # <= 1/λ_max(K) at init for every β (see docstring)
     config.train.num_steps = 2000
     config.certificate.every = 20  # tangent-kernel certificate every 20 steps (J is 64 × 13k)
     config.sweep.beta = (0.0, 0.5, 1.0)
+    if "float64" in chosen:
+        config.model.dtype = "float64"
+        config.probe.dtype = "float64"
+    if "softplus" in chosen:  # the certificate's premise, η ≤ 1/λ_max(K), for every run
+        config.model.transformer.activation = "softplus"
+        config.optim.lr_rule = "lambda_max"
+        config.optim.lr_factor = 0.9
+    if "tiny" in chosen:
+        shorten(config, 40)
     config.lock()
     return config

@@ -51,10 +51,12 @@ def stated_numbers(workdir: Path, figure: str) -> dict:
 def _run(config_file: str, root: Path) -> None:
     """Runs, resumes or reuses configs/CONFIG_FILE in ROOT/<its stem>, as `reproduce` does."""
     from resconv_jax import reproduce
+    from resconv_jax.experiments.record import Experiment, scale_variants
 
     name = Path(config_file).stem
-    experiment = reproduce.Experiment(name, config_file, {}, f"configs/{config_file}")
-    outcome = reproduce.run_experiment(experiment, str(root), {})
+    defaults = scale_variants("", "", "")  # the file's own defaults
+    experiment = Experiment(name, f"configs/{config_file}", config_file, defaults)
+    outcome = reproduce.run_experiment(experiment, "paper", str(root), {})
     if outcome.status == "not run":
         raise SystemExit(f"error: {outcome.reason}")
 

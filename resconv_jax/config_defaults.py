@@ -17,7 +17,9 @@ from resconv_jax.models import model_module, model_names
 def base_config() -> ml_collections.ConfigDict:
     """Default config: a small synthetic theory problem, one run."""
     c = ml_collections.ConfigDict()
-    c.task = "train"  # "train", or "rank_collapse" (spectra at initialization only)
+    # The task: the module resconv_jax.experiments.NAME (`experiments.task_names()`): "training",
+    # or "rank_collapse" (spectra at initialization only).
+    c.task = "training"
     c.seed = 0  # parameter-initialization seed (per run: see sweep.seed)
 
     c.model = ml_collections.ConfigDict()
@@ -142,6 +144,14 @@ def theory_regime_config(dim: int) -> ml_collections.ConfigDict:
     c.train.print_every = 500
     c.train.checkpoint_every = 500
     return c
+
+
+def shorten(config: ml_collections.ConfigDict, num_steps: int) -> None:
+    """A smoke-test length (the `tiny` variants): `num_steps` steps, a checkpoint and a progress
+    line every `num_steps // 2`."""
+    config.train.num_steps = num_steps
+    config.train.checkpoint_every = num_steps // 2
+    config.train.print_every = num_steps // 2
 
 
 def variants(arg: str | None, config_file: str, allowed: tuple[str, ...] = ()) -> set[str]:

@@ -14,7 +14,6 @@ from resconv_jax.models import model_module, model_names
 from resconv_jax.runtime import workdir as wd
 
 CHOICES = {
-    "task": ("train", "rank_collapse"),
     "optim.loss": ("squared", "cross_entropy"),
     "data.target": ("gaussian", "teacher"),
     "optim.name": ("sgd", "momentum", "adam"),

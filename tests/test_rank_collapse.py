@@ -37,7 +37,7 @@ def tiny(**overrides):
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("rank_collapse")
-    return workdir, rank_collapse.run(tiny(), str(workdir))
+    return workdir, rank_collapse.spectra(tiny(), str(workdir))
 
 
 def read_csv(path) -> list[dict]:
@@ -128,7 +128,7 @@ def test_float64_agrees_with_float32_above_the_float32_floor(tiny_run, tmp_path)
     """The same weights (drawn in float32) in float64: the ratios float32 resolves agree."""
     _, rows32 = tiny_run
     with jax.enable_x64(True):
-        rows64 = rank_collapse.run(tiny(**{"model.dtype": "float64"}), str(tmp_path))
+        rows64 = rank_collapse.spectra(tiny(**{"model.dtype": "float64"}), str(tmp_path))
     for r32, r64 in zip(rows32, rows64, strict=True):
         for column in ("attn_ratio_p_mean/mean", "z_ratio_p_mean/mean", "attn_ratio_stacked/mean"):
             assert r32[column] > rank_collapse.FLOAT32_FLOOR
@@ -210,7 +210,7 @@ def test_uniform_attention_with_rank_deficient_x():
 def test_bad_config_raises_one_line_and_writes_nothing(tmp_path, overrides, expected):
     workdir = tmp_path / "run"
     with pytest.raises(ConfigError, match=expected) as error:
-        rank_collapse.run(tiny(**overrides), str(workdir))
+        rank_collapse.spectra(tiny(**overrides), str(workdir))
     assert "\n" not in str(error.value)
     assert not workdir.exists()
 
@@ -218,12 +218,12 @@ def test_bad_config_raises_one_line_and_writes_nothing(tmp_path, overrides, expe
 def test_missing_section_and_bad_workdir(tmp_path):
     config = load_config_file(os.path.join(ROOT, "configs", "tiny.py"), task="rank_collapse")
     with pytest.raises(ConfigError, match="missing section"):
-        rank_collapse.run(config, str(tmp_path / "run"))
+        rank_collapse.spectra(config, str(tmp_path / "run"))
     assert not (tmp_path / "run").exists()
     blocker = tmp_path / "file"
     blocker.write_text("")
     with pytest.raises(ConfigError, match="not a folder"):
-        rank_collapse.run(tiny(), str(blocker))
+        rank_collapse.spectra(tiny(), str(blocker))
 
 
 @pytest.mark.slow

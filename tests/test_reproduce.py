@@ -8,7 +8,15 @@ import sys
 import numpy as np
 import pytest
 
-from resconv_jax.experiments import claims
+from resconv_jax.experiments import (
+    claims,
+    classification,
+    conditioning,
+    convergence,
+    depth,
+    descent,
+    rank_collapse,
+)
 from resconv_jax.runtime.workdir import write_csv
 
 
@@ -25,12 +33,12 @@ def test_linear_convergence_holds_only_when_every_beta_fits(tmp_path):
     bad = _summary(
         tmp_path / "b", [{"beta_attn": 0, "rate_r2": 0.995}, {"beta_attn": 1, "rate_r2": 0.9}]
     )
-    assert claims.linear_convergence(good).verdict == claims.HOLDS
-    row = claims.linear_convergence(bad)
+    assert convergence.linear_convergence(good).verdict == claims.HOLDS
+    row = convergence.linear_convergence(bad)
     assert row.verdict == claims.FAILS and "β=1: 0.9000" in row.value
-    missing = claims.linear_convergence(None)
+    missing = convergence.linear_convergence(None)
     assert missing.verdict == claims.NOT_RUN and missing.note == "experiment not run"
-    assert "summary.json missing" in claims.linear_convergence(str(tmp_path / "c")).note
+    assert "summary.json missing" in convergence.linear_convergence(str(tmp_path / "c")).note
 
 
 def _table(rho_square, rho_wide):
@@ -49,7 +57,7 @@ def test_rate_vs_conditioning_is_held_at_the_wide_widths_only(tmp_path):
     }.items():
         (tmp_path / name).mkdir()
         write_csv(tmp_path / name / "conditioning_table.csv", _table(square, wide))
-        row = claims.rate_vs_conditioning(str(tmp_path / name))
+        row = conditioning.rate_vs_conditioning(str(tmp_path / name))
         assert row.verdict == verdict, name
         assert f"d=64 (1·P·M): ρ={square:.3f}" in row.value
 
@@ -66,11 +74,11 @@ def test_residual_conditioning_uses_the_worst_seed(tmp_path):
     ):
         (tmp_path / name).mkdir()
         write_csv(tmp_path / name / "rank_collapse.csv", rows(*values))
-        assert claims.residual_conditioning(str(tmp_path / name)).verdict == verdict
+        assert rank_collapse.residual_conditioning(str(tmp_path / name)).verdict == verdict
 
 
 def _certificate_dir(folder, fraction, activation, lam_max):
-    config = {"model": {"activation": activation}, "optim": {"reduction": "sum"},
+    config = {"model": {"transformer": {"activation": activation}}, "optim": {"reduction": "sum"},
               "data": {"num_samples": 8, "seq_len": 8}}  # fmt: skip
     runs = [{"beta_attn": 0, "certificate_hold_fraction": fraction, "certificate_checks": 10}]
     _summary(folder, runs, config)
@@ -81,13 +89,13 @@ def _certificate_dir(folder, fraction, activation, lam_max):
 
 def test_certificate_is_judged_only_inside_its_premise(tmp_path):
     holds = _certificate_dir(tmp_path / "a", 1.0, "softplus", 900.0)
-    assert claims.certificate(holds).verdict == claims.HOLDS
-    assert claims.certificate(_certificate_dir(tmp_path / "b", 0.9, "gelu", 900.0)).verdict == (
-        claims.FAILS
-    )
-    relu = claims.certificate(_certificate_dir(tmp_path / "c", 0.4, "relu", 900.0))
+    assert convergence.certificate(holds).verdict == claims.HOLDS
+    assert convergence.certificate(
+        _certificate_dir(tmp_path / "b", 0.9, "gelu", 900.0)
+    ).verdict == (claims.FAILS)
+    relu = convergence.certificate(_certificate_dir(tmp_path / "c", 0.4, "relu", 900.0))
     assert relu.verdict == claims.NOT_RUN and "outside the claim's premise" in relu.note
-    too_large = claims.certificate(_certificate_dir(tmp_path / "d", 1.0, "softplus", 2000.0))
+    too_large = convergence.certificate(_certificate_dir(tmp_path / "d", 1.0, "softplus", 2000.0))
     assert too_large.verdict == claims.NOT_RUN  # η·λ_max = 2 > 1
 
 
@@ -96,7 +104,7 @@ def test_multilayer_needs_every_depth(tmp_path):
     rows = [{"num_layers": L, "beta_attn": b, "rate_r2": r2} for L, b, r2 in values]
     (tmp_path / "a").mkdir()
     write_csv(tmp_path / "a" / "depth_runs.csv", rows)
-    row = claims.multilayer(str(tmp_path / "a"))
+    row = depth.multilayer(str(tmp_path / "a"))
     assert row.verdict == claims.FAILS and row.value == "L=1: 0.995, L=2: 0.970"
 
 
@@ -114,7 +122,7 @@ def test_jena_descent_needs_a_significant_negative_tau(tmp_path):
     ):
         (tmp_path / name).mkdir()
         write_csv(tmp_path / name / "descent_table.csv", rows(steps_of))
-        assert claims.jena_descent(str(tmp_path / name)).verdict == verdict, name
+        assert descent.jena_descent(str(tmp_path / name)).verdict == verdict, name
 
 
 def test_sst2_ordering(tmp_path):
@@ -127,15 +135,31 @@ def test_sst2_ordering(tmp_path):
     for name, errors, verdict in (("a", claimed, claims.HOLDS), ("b", both_fall, claims.FAILS)):
         (tmp_path / name).mkdir()
         write_csv(tmp_path / name / "accuracy_table.csv", rows(errors))
-        row = claims.sst2_ordering(str(tmp_path / name), "random-init")
-        assert row.verdict == f"{verdict} (random-init substitute, not the claim's model)", name
-        assert row.note.startswith("random-init")
-        assert claims.sst2_ordering(str(tmp_path / name), "pretrained GPT-2").verdict == verdict
+        assert classification.sst2_ordering(str(tmp_path / name)).verdict == verdict, name
+
+
+def test_a_fallback_marks_the_claims_it_measured(tmp_path):
+    """The claims table prefixes an experiment's label to its measured claims' notes, and a
+    fallback's `substitute` to their verdicts; a claim not measured keeps its reason alone."""
+    from resconv_jax.reproduce import Outcome, claims_table
+
+    sst2 = classification.EXPERIMENTS[0]
+    (tmp_path / "sst2_random").mkdir()
+    errors = {(2, 0.0): 0.3, (6, 0.0): 0.35, (2, 1.0): 0.2, (6, 1.0): 0.1}
+    write_csv(tmp_path / "sst2_random" / classification.ACCURACY_FILE, [
+        {"num_layers": L, "beta_attn": b, "beta_ffn": b, classification.FINAL_ERROR: e}
+        for (L, b), e in errors.items()])  # fmt: skip
+    ran = Outcome(sst2.fallback, str(tmp_path / "sst2_random"), "ran", 1.0, [], label="why")
+    (row,) = claims_table([ran])
+    assert row.verdict == "holds (random-init substitute, not the claim's model)"
+    assert row.note.startswith("why; β=1 lower at every L: True")
+    (row,) = claims_table([Outcome(sst2, str(tmp_path / "sst2"), "not run", None, [], "gone")])
+    assert (row.verdict, row.note) == (claims.NOT_RUN, "experiment not run")
 
 
 @pytest.mark.slow
 def test_reproduce_tiny_writes_every_claim_and_knows_its_runs_finished(tmp_path):
-    from resconv_jax import reproduce
+    from resconv_jax import experiments, reproduce
 
     command = [sys.executable, "-m", "resconv_jax.reproduce", f"--workdir={tmp_path}",
                "--scale=tiny"]  # fmt: skip
@@ -151,16 +175,14 @@ def test_reproduce_tiny_writes_every_claim_and_knows_its_runs_finished(tmp_path)
     assert "## Machine" in report and "jax " in report
     # A second invocation reuses every experiment (checked end to end by hand: 7 of 7 reused):
     # each one's workdir is recognised as this config's, finished.
-    for experiment in reproduce.experiment_list("tiny"):
-        if experiment.name == "sst2":
-            experiment = reproduce._random_sst2(experiment)
+    for experiment in experiments.experiment_list():
+        experiment = experiment.fallback or experiment  # no pretrained weights here
         workdir = str(tmp_path / experiment.name)
-        assert reproduce._unfinished_reason(experiment.load(), workdir) is None, experiment.name
-    longer = reproduce.experiment_list("tiny")[0]
-    longer = reproduce.Experiment(
-        longer.name, longer.config, longer.overrides | {"train.num_steps": 60}, ""
-    )
-    assert reproduce._unfinished_reason(longer.load(), str(tmp_path / "theory"))
+        config = experiment.load("tiny")
+        assert reproduce._unfinished_reason(config, workdir) is None, experiment.name
+    longer = experiments.experiment_list()[0].load("tiny")
+    longer.train.num_steps = 60
+    assert reproduce._unfinished_reason(longer, str(tmp_path / "theory"))
 
 
 def test_reproduce_refuses_a_bad_scale(tmp_path):
@@ -208,14 +230,27 @@ def _edit_loss(path, line_number: int) -> None:
     path.write_text("".join(lines))
 
 
+def _short_tiny(folder):
+    """An experiment record of configs/tiny.py at 20 steps, two runs, from a config file written
+    into `folder` (a record names a config file; it carries no overrides)."""
+    from resconv_jax.experiments.record import Experiment, scale_variants
+
+    tiny = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.py")
+    overrides = {"train.num_steps": 20, "train.checkpoint_every": 10, "sweep.beta": (0.0, 1.0),
+                 "train.async_checkpoints": False, "probe.enabled": False}  # fmt: skip
+    (folder / "short_tiny.py").write_text(
+        "from resconv_jax.config_defaults import load_config_file\n\n\n"
+        f"def get_config(arg=None):\n    return load_config_file({tiny!r}, **{overrides!r})\n"
+    )
+    return Experiment("tiny", "tiny", str(folder / "short_tiny.py"), scale_variants("", "", ""))
+
+
 def test_a_damaged_finished_run_is_resumed_not_reused(tmp_path):
     from resconv_jax import reproduce
 
-    overrides = {"train.num_steps": 20, "train.checkpoint_every": 10, "sweep.beta": (0.0, 1.0),
-                 "train.async_checkpoints": False, "probe.enabled": False}  # fmt: skip
-    experiment = reproduce.Experiment("tiny", "tiny.py", overrides, "tiny")
-    assert reproduce.run_experiment(experiment, str(tmp_path), {}).status == "ran"
-    assert reproduce.run_experiment(experiment, str(tmp_path), {}).status == "reused"
+    experiment = _short_tiny(tmp_path)
+    assert reproduce.run_experiment(experiment, "paper", str(tmp_path), {}).status == "ran"
+    assert reproduce.run_experiment(experiment, "paper", str(tmp_path), {}).status == "reused"
     metrics, summary = tmp_path / "tiny" / "metrics.jsonl", tmp_path / "tiny" / "summary.json"
     good_metrics, good_summary = metrics.read_bytes(), summary.read_bytes()
     damages = {
@@ -226,11 +261,11 @@ def test_a_damaged_finished_run_is_resumed_not_reused(tmp_path):
     }
     for damage, apply in damages.items():
         apply()
-        outcome = reproduce.run_experiment(experiment, str(tmp_path), {})
+        outcome = reproduce.run_experiment(experiment, "paper", str(tmp_path), {})
         assert outcome.status == "resumed", damage
         assert outcome.reason.startswith("not reusable: "), damage
         assert metrics.read_bytes() == good_metrics and summary.read_bytes() == good_summary
-    assert reproduce.run_experiment(experiment, str(tmp_path), {}).status == "reused"
+    assert reproduce.run_experiment(experiment, "paper", str(tmp_path), {}).status == "reused"
 
 
 def test_a_second_reproduce_on_a_busy_folder_is_refused_at_once(tmp_path, capsys):

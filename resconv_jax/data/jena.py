@@ -442,6 +442,13 @@ def load_jena(cfg: Any) -> JenaSplits:
     return make_splits(table, cfg, source)
 
 
+def describe_sizes(config) -> str:
+    """One line for the sizes table: P windows of M hours, of width d."""
+    data = config.data
+    d = data.lift_dim or len(data.features) or ("6" if data.source == "bundled" else "all")
+    return f"P={data.num_train} Jena windows of M={data.seq_len} h, d={d}"
+
+
 def load(cfg: Any) -> Dataset:
     """The Jena data set of `config.data` (`load_jena`): its train windows, its validation
     windows as the validation set."""

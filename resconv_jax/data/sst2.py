@@ -281,6 +281,11 @@ def load_sst2(cfg: Any) -> SST2Splits:
     return make_splits(train, dev, cfg, source)
 
 
+def describe_sizes(config) -> str:
+    """One line for the sizes table: P sentences of at most T tokens."""
+    return f"P={config.data.num_train} SST-2 sentences of ≤ {config.data.max_tokens} tokens"
+
+
 def load(cfg: Any) -> Dataset:
     """The SST-2 data set of `config.data` (`load_sst2`): token ids and masks (P, T) with their
     labels (P,), the dev rows as the validation set."""

@@ -38,6 +38,13 @@ def shapes(data_cfg, dim: int | None = None) -> dict[str, int]:
     }
 
 
+def describe_sizes(config) -> str:
+    """One line for the sizes table: P, M and d (every width of a width sweep)."""
+    data, widths = config.data, config.sweep.dim
+    d = "{" + ", ".join(f"{v:g}" for v in widths) + "}" if widths else str(data.dim)
+    return f"P={data.num_samples} Gaussian samples of M={data.seq_len}, d={d}"
+
+
 def check_size(data_cfg, dim: int | None = None) -> None:
     """ConfigError when the data (at width `dim`, the widest of a width sweep, or data.dim)
     cannot fit: from the config alone, before anything is drawn."""

@@ -1,29 +1,78 @@
-"""The experiments: each runs its task (`train.run`, or the rank-collapse spectra) and then writes
-its own report. `main` calls `run`; the trainer imports nothing from here."""
+"""Tasks and experiments by name.
+
+A task (`config.task = NAME`) is a module `experiments/NAME.py` with
+
+    run(config, workdir) -> list[dict]          the per-run summaries ([] when nothing trains)
+    report(workdir) -> list[str]                its figures and tables, from the files; the tables
+    why_unfinished(config, workdir) -> str | None   None when the folder holds this config's
+                                                finished, intact result; else why not
+    describe_sizes(config) -> str               one line: the sizes it runs at
+
+(`training`: train.run and the training report; `rank_collapse`: spectra at initialization).
+An experiment module lists its `EXPERIMENTS` (`record.Experiment`: a config file, its variant per
+scale, the claims it backs); `reproduce` walks them all. Adding a task or an experiment is one
+new module here (and its config file); no list elsewhere changes. The trainer imports nothing
+from here.
+"""
 
 from __future__ import annotations
 
+import functools
+import importlib
+import pkgutil
+from types import ModuleType
+
 import jax
 
-from resconv_jax import train
+from resconv_jax.errors import ConfigError
+
+_TASK_FUNCTIONS = ("run", "report", "why_unfinished", "describe_sizes")
+
+
+def _modules() -> list[ModuleType]:
+    return [
+        importlib.import_module(f"{__name__}.{info.name}")
+        for info in pkgutil.iter_modules(__path__)
+        if not info.ispkg and not info.name.startswith("_")
+    ]
+
+
+def _is_task(module: ModuleType) -> bool:
+    return all(callable(getattr(module, name, None)) for name in _TASK_FUNCTIONS)
+
+
+@functools.cache
+def task_names() -> tuple[str, ...]:
+    """The tasks that exist: the modules here with every function of a task."""
+    return tuple(sorted(m.__name__.rpartition(".")[2] for m in _modules() if _is_task(m)))
+
+
+def task_module(name: str) -> ModuleType:
+    """The module of task `name`; ConfigError (one line) naming the tasks for any other."""
+    try:
+        module = importlib.import_module(f"{__name__}.{name}")
+    except ImportError:
+        module = None
+    if module is None or not _is_task(module):
+        raise ConfigError(f"config.task={name!r}: expected one of {', '.join(task_names())}")
+    return module
+
+
+@functools.cache
+def experiment_list() -> tuple:
+    """Every experiment of every module here (`EXPERIMENTS`), in the order of the claims table:
+    each at its first claim's place."""
+    records = [record for module in _modules() for record in getattr(module, "EXPERIMENTS", ())]
+    return tuple(sorted(records, key=lambda record: record.rank))
 
 
 def run(config, workdir: str) -> list[dict]:
-    """Runs `config.task` in `workdir`; returns the per-run summaries ([] for rank collapse).
-
-    Raises what `train.run` raises (see there), with nothing reported.
-    """
-    if config.task == "rank_collapse":
-        from resconv_jax.experiments import rank_collapse
-
-        rank_collapse.run(config, workdir)
-        return []
-    from resconv_jax.experiments.run_report import (
-        write_run_report,  # its own CLI too: imported late
-    )
-
-    summaries = train.run(config, workdir)
+    """Runs `config.task` in `workdir` and prints its report's tables (process 0); returns the
+    per-run summaries. Raises what the task raises (`train.run`: see there), with nothing
+    reported."""
+    task = task_module(config.task)
+    summaries = task.run(config, workdir)
     if jax.process_index() == 0:
-        for table in write_run_report(workdir):
+        for table in task.report(workdir):
             print(table, flush=True)
     return summaries

@@ -9,6 +9,8 @@ residual of Attn and Z at the first and the last probed step).
 
 from __future__ import annotations
 
+import dataclasses
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -16,10 +18,15 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from resconv_jax.analysis.summary import series  # noqa: E402
+from resconv_jax.experiments import claims  # noqa: E402
+from resconv_jax.experiments.claims import Claim  # noqa: E402
 from resconv_jax.experiments.figures import beta_label, first_lines, group_key, save_figure  # noqa: E402
+from resconv_jax.experiments.record import ClaimCheck, Experiment, scale_variants  # noqa: E402
 from resconv_jax.runtime import workdir as wd  # noqa: E402
 from resconv_jax.runtime.workdir import write_csv  # noqa: E402
 
+ACCURACY_FILE, LAYERS_FILE = "accuracy_table.csv", "layers_table.csv"
+FINAL_ERROR = "final_error"  # the column of ACCURACY_FILE that claim 5b reads
 LAYER_KEYS = ("z/sigma_min_over_fro", "z/collapse_residual", "attn/collapse_residual")
 
 
@@ -50,7 +57,7 @@ def accuracy_rows(history: list[dict]) -> list[dict]:
         val = series(history, run["run"], "val_error")[1]
         groups.setdefault(group_key(run), []).append(
             {
-                "final_error": error[-1] if error.size else np.nan,
+                FINAL_ERROR: error[-1] if error.size else np.nan,
                 "final_val_accuracy": 1.0 - val[-1] if val.size else np.nan,
             }
         )
@@ -84,8 +91,8 @@ def write_classification_report(workdir, history: list[dict]) -> list[dict]:
     workdir = wd.path(workdir)
     plot_errors(history, workdir / "errors.png")
     rows = accuracy_rows(history)
-    write_csv(workdir / "accuracy_table.csv", rows)
-    write_csv(workdir / "layers_table.csv", layer_rows(history))
+    write_csv(workdir / ACCURACY_FILE, rows)
+    write_csv(workdir / LAYERS_FILE, layer_rows(history))
     return rows
 
 
@@ -101,3 +108,59 @@ def format_accuracy_table(rows: list[dict]) -> str:
             f"{row['runs']:>4d} {row['final_error']:>11.4f} {row['final_val_accuracy']:>8.4f}"
         )
     return "\n".join(lines)
+
+
+def sst2_ordering(workdir) -> Claim:
+    """Claim 5b: at every L the residual run's (β = 1) final training error is below the plain
+    one's (β = 0), and only with the residual does the error improve with depth (error at the
+    largest L below that at the smallest)."""
+    claim = Claim(
+        "5b. SST-2: residual lowers training error, depth helps only with it",
+        "final training error per (L, β)",
+        "β=1 < β=0 at each L; error(L_max) < error(L_min) at β=1 only",
+    )
+    if missing := claims.missing(claim, workdir, ACCURACY_FILE):
+        return missing
+    rows = claims.read_csv(wd.path(workdir) / ACCURACY_FILE)
+    error = {
+        (r["num_layers"], float(r["beta_attn"])): r[FINAL_ERROR]
+        for r in rows
+        if r["beta_attn"] == r["beta_ffn"]
+    }
+    depths = sorted({L for L, _ in error})
+    if len(depths) < 2 or any((L, b) not in error for L in depths for b in (0.0, 1.0)):
+        return dataclasses.replace(claim, note="needs β = 0 and β = 1 at two depths or more")
+    value = "; ".join(f"L={L}: {error[L, 0.0]:.3f} vs {error[L, 1.0]:.3f}" for L in depths)
+    lower = all(error[L, 1.0] < error[L, 0.0] for L in depths)
+    helps = {b: error[depths[-1], b] < error[depths[0], b] for b in (0.0, 1.0)}
+    ok = lower and helps[1.0] and not helps[0.0]
+    note = (
+        f"β=1 lower at every L: {lower}; deeper is better at β=1: {helps[1.0]}, "
+        f"at β=0: {helps[0.0]}"
+    )
+    value += " (β=0 vs β=1)"
+    return dataclasses.replace(claim, value=value, verdict=claims.verdict(ok), note=note)
+
+
+_FILES = (ACCURACY_FILE, LAYERS_FILE, "errors.png", "beta_table.csv")
+EXPERIMENTS = (
+    Experiment(
+        "sst2",
+        "SST-2, pretrained GPT-2",
+        "sst2.py",
+        scale_variants(),
+        claims=(ClaimCheck(5.2, sst2_ordering),),
+        files=_FILES,
+        label="pretrained GPT-2",
+        fallback=Experiment(
+            "sst2_random",
+            "SST-2, random-init GPT-2 (not the pretrained model)",
+            "sst2.py",
+            scale_variants("random_small,tiny", "random_small,small", "random_small"),
+            claims=(ClaimCheck(5.2, sst2_ordering),),
+            files=_FILES,
+            label="random-init GPT-2, not the pretrained model",
+            substitute=" (random-init substitute, not the claim's model)",
+        ),
+    ),
+)

@@ -13,17 +13,29 @@ step 2/λ_max(K) against σ_max²(Z) at initialization: the paper's "the usable 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 
 from resconv_jax.analysis.stats import log_slope, spearman
 from resconv_jax.analysis.summary import FIT_FLOOR, fit_rate, series
+from resconv_jax.experiments import claims
+from resconv_jax.experiments.claims import Claim
 from resconv_jax.experiments.figures import plt, save_figure
+from resconv_jax.experiments.record import ClaimCheck, Experiment, scale_variants
 from resconv_jax.runtime import workdir as wd
 from resconv_jax.runtime.workdir import write_csv
 
 Z_MIN, Z_MAX = "layer0/z/sigma_min", "layer0/z/sigma_max"
+RUNS_FILE, TABLE_FILE = "conditioning_runs.csv", "conditioning_table.csv"
+# Columns of TABLE_FILE that claim 2 reads: d / (P·M), Spearman's ρ of 1 − rate against
+# σ_min²/σ_max²(Z) at initialization and against η·λ_min(K).
+DIM_OVER_PM, RHO_Z_INIT, RHO_ETA_LAMBDA_MIN = (
+    "dim_over_pm",
+    "rho_z_ratio_sq_init",
+    "rho_eta_lambda_min_init",
+)
 
 
 def _first(history: list[dict], run: int, key: str) -> float:
@@ -78,7 +90,7 @@ def width_table(rows: list[dict], num_tokens: int | None = None) -> list[dict]:
         entry = {"dim": dim, "runs": len(same)}
         entry["fitted_runs"] = int(np.isfinite(speed).sum())  # the rest are left out of ρ
         if num_tokens:
-            entry["dim_over_pm"] = dim / num_tokens
+            entry[DIM_OVER_PM] = dim / num_tokens
         for name in ("z_ratio_sq_init", "z_ratio_sq_window_mean", "eta_lambda_min_init"):
             entry[f"rho_{name}"] = spearman(speed, [row[name] for row in same])
         entry["rho_beta"] = spearman(speed, [row["beta_attn"] for row in same])
@@ -163,9 +175,43 @@ def write_conditioning_report(workdir, history: list[dict], config: dict, floor:
     loss_scale = 1.0 if reduction == "sum" else 1.0 / (num_tokens * data.get("out_dim", 1))
     rows = run_rows(history, loss_scale, floor)
     table = width_table(rows, num_tokens or None)
-    write_csv(workdir / "conditioning_runs.csv", rows)
-    write_csv(workdir / "conditioning_table.csv", table)
+    write_csv(workdir / RUNS_FILE, rows)
+    write_csv(workdir / TABLE_FILE, table)
     plot_rate_scatter(rows, table, workdir / "rate_scatter.png")
     if not np.isnan(rows[0]["stable_lr_init"]):
         plot_step_size(rows, workdir / "step_size.png")
     return format_width_table(table)
+
+
+def rate_vs_conditioning(workdir, threshold: float = 0.9, min_ratio: float = 2.0) -> Claim:
+    """Claim 2: Spearman ρ(1 − rate, σ_min²/σ_max²(Z) at init) ≥ threshold for d ≥ 2·P·M."""
+    claim = Claim(
+        "2. rate governed by σ_min/σ_max of Z",
+        "Spearman ρ(1 − rate, σ_min²/σ_max²(Z) at init) over β × seeds, per width",
+        f"≥ {threshold:g} at d ≥ {min_ratio:g}·P·M (d = P·M reported)",
+    )
+    if missing := claims.missing(claim, workdir, TABLE_FILE):
+        return missing
+    table = claims.read_csv(wd.path(workdir) / TABLE_FILE)
+    value = "; ".join(
+        f"d={r['dim']} ({r[DIM_OVER_PM]:g}·P·M): ρ={r[RHO_Z_INIT]:.3f}" for r in table
+    )
+    held = [r for r in table if r[DIM_OVER_PM] >= min_ratio]
+    if not held:
+        return dataclasses.replace(claim, value=value, note=f"no width d ≥ {min_ratio:g}·P·M")
+    ok = all(r[RHO_Z_INIT] >= threshold for r in held)
+    rho_k = ", ".join(f"d={r['dim']}: {r[RHO_ETA_LAMBDA_MIN]:.3f}" for r in table)
+    note = f"ρ against η·λ_min(K): {rho_k}"
+    return dataclasses.replace(claim, value=value, verdict=claims.verdict(ok), note=note)
+
+
+EXPERIMENTS = (
+    Experiment(
+        "conditioning",
+        "Rate against conditioning",
+        "conditioning.py",
+        scale_variants(),
+        claims=(ClaimCheck(2, rate_vs_conditioning),),
+        files=(RUNS_FILE, TABLE_FILE, "rate_scatter.png", "step_size.png"),
+    ),
+)

@@ -10,6 +10,7 @@ Files: depth_runs.csv, depth_sigma.png (σ_min(Z) of every layer against step, o
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -17,9 +18,14 @@ from matplotlib.lines import Line2D
 
 from resconv_jax.analysis.stats import spearman
 from resconv_jax.analysis.summary import FIT_FLOOR, fit_rate, series
+from resconv_jax.experiments import claims
+from resconv_jax.experiments.claims import Claim
 from resconv_jax.experiments.figures import plt, save_figure
+from resconv_jax.experiments.record import ClaimCheck, Experiment, scale_variants
 from resconv_jax.runtime import workdir as wd
 from resconv_jax.runtime.workdir import write_csv
+
+RUNS_FILE = "depth_runs.csv"
 
 
 def _layer_ratio_sq(line: dict, layer: int) -> float:
@@ -123,8 +129,69 @@ def write_depth_report(
     probe's, whose epsilon sets the figure's precision floor."""
     workdir = wd.path(workdir)
     rows = depth_rows(history, floor)
-    write_csv(workdir / "depth_runs.csv", rows)
+    write_csv(workdir / RUNS_FILE, rows)
     if any("layer0/z/sigma_min" in line for line in history):
         eps = float(np.finfo(probe_dtype).eps)
         plot_depth_sigma(history, rows, workdir / "depth_sigma.png", eps)
     return format_depth_table(rows)
+
+
+def multilayer(workdir, threshold: float = 0.99, small_branches: bool = False) -> Claim:
+    """Claim 4: R² of the log-loss fit ≥ threshold for every run of every depth; with
+    `small_branches`, the row of configs/depth.py:branches (β = 1, float64)."""
+    claim = Claim(
+        "4. multi-layer linear convergence",
+        "min R² per depth L (over β, seeds)",
+        f"≥ {threshold:g} each",
+    )
+    if small_branches:
+        claim = Claim(
+            "4b. multi-layer, small residual branches (added after 4 failed)",
+            "min R² per depth L (β = 1, seeds; W_V, W_1, W_2 at 0.3×, float64)",
+            f"≥ {threshold:g} each",
+        )
+    if missing := claims.missing(claim, workdir, RUNS_FILE):
+        return missing
+    rows = claims.read_csv(wd.path(workdir) / RUNS_FILE)
+    unfit = [r["run"] for r in rows if not math.isfinite(r["rate_r2"])]
+    if unfit:
+        note = f"runs {unfit} have no rate fit (fewer than 3 logged losses above the floor)"
+        return dataclasses.replace(claim, verdict=claims.FAILS, note=note)
+    depths = sorted({r["num_layers"] for r in rows})
+    worst = {L: min(r["rate_r2"] for r in rows if r["num_layers"] == L) for L in depths}
+    value = ", ".join(f"L={L}: {r2:.3f}" for L, r2 in worst.items())
+    per_beta = {
+        (L, b): min(r["rate_r2"] for r in rows if (r["num_layers"], r["beta_attn"]) == (L, b))
+        for L in depths
+        for b in sorted({r["beta_attn"] for r in rows})
+    }
+    note = "min R² per (L, β): " + ", ".join(
+        f"{L}/{b:g}: {v:.3f}" for (L, b), v in per_beta.items()
+    )
+    ok = all(r2 >= threshold for r2 in worst.values())
+    return dataclasses.replace(claim, value=value, verdict=claims.verdict(ok), note=note)
+
+
+def multilayer_small_branches(workdir) -> Claim:
+    """Claim 4b: `multilayer` for the small-branches runs (configs/depth.py:branches)."""
+    return multilayer(workdir, small_branches=True)
+
+
+EXPERIMENTS = (
+    Experiment(
+        "depth",
+        "Linear convergence per depth",
+        "depth.py",
+        scale_variants(),
+        claims=(ClaimCheck(4, multilayer),),
+        files=(RUNS_FILE, "depth_sigma.png"),
+    ),
+    Experiment(
+        "depth_branches",
+        "Linear convergence per depth, small residual branches (β = 1, float64)",
+        "depth.py",
+        scale_variants("tiny,branches", "small,branches", "branches"),
+        claims=(ClaimCheck(4.5, multilayer_small_branches),),
+        files=(RUNS_FILE, "depth_sigma.png"),
+    ),
+)

@@ -14,17 +14,22 @@ f·L_0 against β per seed).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 
 from resconv_jax.analysis.stats import kendall, stratified_p_value
+from resconv_jax.experiments import claims
+from resconv_jax.experiments.claims import Claim
 from resconv_jax.experiments.figures import plt, save_figure
+from resconv_jax.experiments.record import ClaimCheck, Experiment, scale_variants
 from resconv_jax.runtime import workdir as wd
 from resconv_jax.runtime.workdir import write_csv
 
 FRACTIONS = (0.5, 0.2)  # f in "steps until L_t <= f·L_0"; HEADLINE is the one the claim uses
 HEADLINE = 0.2
+TABLE_FILE = "descent_table.csv"
 
 
 def early_losses(history: list[dict], run: int) -> np.ndarray:
@@ -164,7 +169,48 @@ def write_descent_report(workdir, history: list[dict]) -> str:
     """descent_table.csv and descent_by_beta.png in `workdir`; the printed summary."""
     workdir = wd.path(workdir)
     rows = descent_rows(history)
-    write_csv(workdir / "descent_table.csv", rows)
+    write_csv(workdir / TABLE_FILE, rows)
     if len({r["beta_attn"] for r in rows}) > 1:
         plot_descent(history, rows, workdir / "descent_by_beta.png")
     return format_ordering(rows)
+
+
+def jena_descent(workdir, alpha: float = 0.05) -> Claim:
+    """Claim 5a: Kendall τ(β, steps until L_t ≤ 0.2·L_0) < 0 with two-sided p < alpha."""
+    claim = Claim(
+        "5a. Jena: larger β descends faster",
+        f"Kendall τ(β, steps until L_t ≤ {HEADLINE:g}·L_0), all runs",
+        f"< 0 with p < {alpha:g}",
+    )
+    if missing := claims.missing(claim, workdir, TABLE_FILE):
+        return missing
+    rows = claims.read_csv(wd.path(workdir) / TABLE_FILE)
+    o = ordering(rows)
+    value = f"τ = {o['tau']:+.3f}, p = {o['p_value']:.2g} ({o['runs']} runs)"
+    seeds = ", ".join(f"seed {s}: {t:+.2f}" for s, t in o["per_seed_tau"].items())
+    ok = o["tau"] < 0 and o["p_value"] < alpha
+    if math.isnan(o["tau"]):
+        return dataclasses.replace(claim, value=value, note="too few runs reached the level")
+    others = "; ".join(
+        f"at {f:g}·L_0: τ = {other['tau']:+.3f}, p = {other['p_value']:.2g}"
+        for f in FRACTIONS
+        if f != HEADLINE
+        for other in [ordering(rows, f)]
+    )
+    note = (
+        f"per seed {seeds}; {o['runs'] - o['reached']} of {o['runs']} runs did not reach the "
+        f"level within {rows[0]['window_steps']} steps (ranked slowest); {others}"
+    )
+    return dataclasses.replace(claim, value=value, verdict=claims.verdict(ok), note=note)
+
+
+EXPERIMENTS = (
+    Experiment(
+        "jena",
+        "Jena Climate β sweep",
+        "jena.py",
+        scale_variants(),
+        claims=(ClaimCheck(5.1, jena_descent),),
+        files=(TABLE_FILE, "descent_by_beta.png", "beta_table.csv", "loss_by_beta.png"),
+    ),
+)

@@ -21,6 +21,7 @@ rank_collapse.png, and config.json.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -35,6 +36,10 @@ from flax import nnx
 from resconv_jax.analysis import probe
 from resconv_jax.analysis.linalg import eps_relative_to_float32, small_batches
 from resconv_jax.errors import ConfigError
+from resconv_jax.experiments import claims
+from resconv_jax.experiments.claims import Claim
+from resconv_jax.experiments.record import ClaimCheck, Experiment, scale_variants
+from resconv_jax.finished import why_config_differs
 from resconv_jax.models import transformer
 from resconv_jax.runtime import workdir as wd
 from resconv_jax.runtime.workdir import WorkdirLock, make_folder, write_csv, write_json, write_png
@@ -297,7 +302,7 @@ def plot(path: str, rows: list[dict], x_ratio: float, title: str, dtype: str = "
     write_png(fig, path, dpi=120)
 
 
-def run(config, workdir: str) -> list[dict]:
+def spectra(config, workdir: str) -> list[dict]:
     """Runs the rank-collapse experiment; returns one dict per qk_init × d_QK (the CSV rows).
 
     Each row has qk_init, d_qk, num_seeds and, for every column of COLUMNS, its mean, min and max
@@ -374,3 +379,68 @@ def run(config, workdir: str) -> list[dict]:
     if not all(math.isfinite(r["attn_ratio_p_mean/mean"]) for r in rows):
         print("warning: non-finite singular-value ratios (see the CSV)", flush=True)
     return rows
+
+
+def residual_conditioning(workdir, d_qk: int = 4096, attn_max=1e-4, z_min=0.1) -> Claim:
+    """Claim 3: at d_QK = 4096 (variance 1/d_QK) σ_min/σ_max of Attn(X) stays < attn_max and
+    that of Attn(X) + X > z_min for every seed (per-sample ratios, mean over samples)."""
+    claim = Claim(
+        "3. residual fixes conditioning at init",
+        f"σ_min/σ_max of Attn(X) vs Attn(X) + X at d_QK = {d_qk} (every seed)",
+        f"< {attn_max:g} vs > {z_min:g}",
+    )
+    if missing := claims.missing(claim, workdir, CSV_FILE):
+        return missing
+    rows = [
+        r
+        for r in claims.read_csv(wd.path(workdir) / CSV_FILE)
+        if r["qk_init"] == "1/d_qk" and r["d_qk"] == d_qk
+    ]
+    if not rows:
+        return dataclasses.replace(claim, note=f"no d_QK = {d_qk} row with qk_init 1/d_qk")
+    attn_worst, z_worst = rows[0]["attn_ratio_p_mean/max"], rows[0]["z_ratio_p_mean/min"]
+    value = f"Attn(X) ≤ {attn_worst:.3g}, Attn(X) + X ≥ {z_worst:.3g}"
+    return dataclasses.replace(
+        claim, value=value, verdict=claims.verdict(attn_worst < attn_max and z_worst > z_min)
+    )
+
+
+def run(config, workdir: str) -> list[dict]:
+    """The task: `spectra` written to `workdir` and printed; nothing trains, so no summaries."""
+    spectra(config, workdir)
+    return []
+
+
+def report(workdir: str) -> list[str]:
+    """Its files are written by `run`: nothing more to report."""
+    return []
+
+
+def why_unfinished(config, workdir: str) -> str | None:
+    """None when `workdir` holds this config's result (its CSV_FILE: the task trains nothing)."""
+    problem = why_config_differs(config, wd.path(workdir))
+    if problem is None and not (wd.path(workdir) / CSV_FILE).exists():
+        problem = f"no {CSV_FILE}"
+    return problem
+
+
+def describe_sizes(config) -> str:
+    """One line: the data's sizes, the d_QK values and the seeds."""
+    r, data = config.rank_collapse, config.data
+    values = "{" + ", ".join(f"{v:g}" for v in r.d_qk_values) + "}"
+    return (
+        f"P={data.num_samples} Gaussian samples of M={data.seq_len}, d={data.dim}; "
+        f"d_QK ∈ {values}, {len(r.seeds)} seeds"
+    )
+
+
+EXPERIMENTS = (
+    Experiment(
+        "rank_collapse",
+        "Rank collapse at initialization",
+        "rank_collapse.py",
+        scale_variants(small=""),
+        claims=(ClaimCheck(3, residual_conditioning),),
+        files=(CSV_FILE, SEEDS_CSV_FILE, PLOT_FILE),
+    ),
+)

@@ -33,6 +33,12 @@ def check_available(model_cfg) -> None:
         weights.find_weights(model_cfg[NAME].weights)
 
 
+def describe_sizes(model_cfg) -> str:
+    """For the sizes table: ", GPT-2 (pretrained)" or ", GPT-2 (random-init)"."""
+    kind = "random-init" if model_cfg[NAME].weights == "random" else "pretrained"
+    return f", GPT-2 ({kind})"
+
+
 def _forward(graphdef, params, inputs, settings: RunSettings, *, return_intermediates=False):
     return modeling.apply(
         graphdef, params, inputs, *settings, return_intermediates=return_intermediates

@@ -1,0 +1,94 @@
+"""Linear convergence in the theory regime (claim 1) and the tangent-kernel certificate, from the
+theory regime's runs (configs/theory.py: float64; with `softplus`, the certificate's premise).
+
+Their figures and tables are every training run's (`figures`, via `run_report`); the claims read
+summary.json (per run: the fitted rate and R², the certificate's hold fraction) and the step-0
+metrics lines (the tangent kernel's stable step size).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from resconv_jax.experiments import claims
+from resconv_jax.experiments.claims import Claim
+from resconv_jax.experiments.record import ClaimCheck, Experiment, scale_variants
+from resconv_jax.finished import SUMMARY_FILE
+from resconv_jax.runtime import workdir as wd
+from resconv_jax.runtime.metrics import read_metrics
+from resconv_jax.runtime.workdir import CONFIG_FILE
+
+
+def linear_convergence(workdir, threshold: float = 0.99) -> Claim:
+    """Claim 1: R² of the log-loss fit ≥ threshold for every run (theory regime, float64)."""
+    claim = Claim(
+        "1. linear convergence (theory regime, each β, float64)",
+        "R² of the log-loss fit above the floor, per β",
+        f"≥ {threshold:g} each",
+    )
+    if missing := claims.missing(claim, workdir, SUMMARY_FILE):
+        return missing
+    runs = claims.read_json(wd.path(workdir) / SUMMARY_FILE)
+    value = ", ".join(f"β={r['beta_attn']:g}: {r['rate_r2']:.4f}" for r in runs)
+    ok = all(r["rate_r2"] >= threshold for r in runs)
+    return dataclasses.replace(claim, value=value, verdict=claims.verdict(ok))
+
+
+def certificate(workdir) -> Claim:
+    """The certificate claim: with a smooth activation and η ≤ 1/λ_max(K) at init, every check
+    above the fit floor has L_{t+1}/L_t ≤ bound."""
+    claim = Claim(
+        "certificate (smooth activation, η ≤ 1/λ_max)",
+        "fraction of checks where L_{t+1}/L_t ≤ (1 − ηλ_min)² bound",
+        "100 % each run",
+    )
+    if missing := claims.missing(claim, workdir, SUMMARY_FILE):
+        return missing
+    runs = claims.read_json(wd.path(workdir) / SUMMARY_FILE)
+    config = claims.read_json(wd.path(workdir) / CONFIG_FILE)
+    activation = config["model"]["transformer"]["activation"]
+    if not all("certificate_hold_fraction" in r for r in runs):
+        return dataclasses.replace(claim, note="a run has no certificate checks logged")
+    value = ", ".join(
+        f"β={r['beta_attn']:g}: {r['certificate_hold_fraction']:.0%} of {r['certificate_checks']}"
+        for r in runs
+    )
+    lr_ok = _lr_below_one_over_lambda_max(workdir)
+    ok = all(r["certificate_hold_fraction"] == 1.0 for r in runs)
+    rule = config["optim"].get("lr_rule") == "lambda_max"
+    how = f", by construction (η = {config['optim']['lr_factor']:g}/λ_max)" if rule else ""
+    note = f"activation {activation}; η·λ_max(K) at init ≤ 1: {lr_ok}{how}"
+    if activation == "relu" or not lr_ok:
+        return dataclasses.replace(claim, value=value, note=note + " (outside the claim's premise)")
+    return dataclasses.replace(claim, value=value, verdict=claims.verdict(ok), note=note)
+
+
+def _lr_below_one_over_lambda_max(workdir) -> bool:
+    """η ≤ 1/(λ_max(K)·loss_scale) at step 0 for every run, i.e. η ≤ ntk/stable_lr / 2 (the loop's
+    own loss scale); False when a run has no kernel at step 0."""
+    first = [line for line in read_metrics(workdir) if line["step"] == 0]
+    return bool(first) and all(
+        "ntk/stable_lr" in line and line["lr"] <= line["ntk/stable_lr"] / 2 * (1 + 1e-9)
+        for line in first
+    )
+
+
+_FILES = (SUMMARY_FILE, "beta_table.csv", "training.png", "loss_by_beta.png", "sigma_by_beta.png")
+EXPERIMENTS = (
+    Experiment(
+        "theory",
+        "Theory regime, ReLU, float64",
+        "theory.py",
+        scale_variants("float64,tiny", "float64", "float64"),
+        claims=(ClaimCheck(1, linear_convergence),),
+        files=_FILES,
+    ),
+    Experiment(
+        "theory_softplus",
+        "Theory regime, softplus (smooth: Assumption 1), float64",
+        "theory.py",
+        scale_variants("float64,softplus,tiny", "float64,softplus", "float64,softplus"),
+        claims=(ClaimCheck(3.5, certificate),),
+        files=_FILES,
+    ),
+)

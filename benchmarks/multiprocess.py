@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 from launch import local  # noqa: E402
-from resconv_jax import sharding, train  # noqa: E402
+from resconv_jax import train  # noqa: E402
 from resconv_jax.config_defaults import load_config_file  # noqa: E402
 from resconv_jax.data import load_dataset  # noqa: E402
 from resconv_jax.models import build_model  # noqa: E402
@@ -139,18 +139,9 @@ def hlo_bytes(name: str) -> list[list[object]]:
     dataset = load_dataset(config)
     model = build_model(config.model, dataset)
     runs = group_runs(expand_runs(config))[0][1]
-    mesh = sharding.make_mesh(len(runs), dataset.num_train, config.mesh)
+    program = train.build_program(config, dataset, runs)
+    mesh = program.y.sharding.mesh
     params = model.init(runs[0].seed)
-    outputs = train._num_outputs(model, dataset.x_train, params)
-    program = train._build(
-        config,
-        dataset,
-        mesh,
-        model,
-        outputs,
-        sum(np.size(v) for v in jax.tree.leaves(params)),
-        runs,
-    )
     found = collectives(program.runners.at(0).as_text())
     leaves = jax.tree.leaves(params)
     grads = len(runs) * sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)

@@ -26,6 +26,30 @@ from resconv_jax.runtime.metrics import progress_line
 from resconv_jax.runtime.multihost import to_host
 
 
+@dataclasses.dataclass(frozen=True)
+class LoopSettings:
+    """What the step loop reads from the config (`from_config`)."""
+
+    num_steps: int  # train.num_steps: the step the runs end at
+    log_every: int  # train.log_every: steps per chunk between metrics lines
+    print_every: int  # train.print_every: steps between progress lines
+    step_losses_until: int  # train.step_losses_until: log every step's loss before this step
+    certificate_every: int  # certificate.every: steps between tangent-kernel checks (0: off)
+    sweeps_lr: bool  # whether the runs sweep the step size (the divergence message's advice)
+
+    @classmethod
+    def from_config(cls, config) -> LoopSettings:
+        train = config.train
+        return cls(
+            num_steps=train.num_steps,
+            log_every=train.log_every,
+            print_every=train.print_every,
+            step_losses_until=train.step_losses_until,
+            certificate_every=config.certificate.every,
+            sweeps_lr=bool(config.sweep.lr),
+        )
+
+
 @dataclasses.dataclass
 class Program:
     """What the step loop needs: the placed arrays, the compiled chunks and the run settings."""
@@ -55,9 +79,10 @@ def _resume_hint(checkpointer: Checkpointer) -> str:
     return f"last checkpoint: {last}; free space (or fix the folder) and rerun the same command"
 
 
-def run_loop(config, workdir, program, checkpointer, writer, step, config_json, dataset) -> None:
+def run_loop(
+    train: LoopSettings, program: Program, checkpointer, writer, step: int, config_json, dataset
+) -> None:
     """Steps every run from `step` to train.num_steps, one log chunk at a time."""
-    train = config.train
     runs, kernel = program.runs, program.kernel
     print(program.description, flush=True)
     print(
@@ -94,11 +119,8 @@ def run_loop(config, workdir, program, checkpointer, writer, step, config_json, 
             num = min(train.log_every, total - step)
             evaluated = _evaluate(program, state["params"])
             params_at_step = state["params"]
-            certify = (
-                kernel is not None
-                and config.certificate.every
-                and step % config.certificate.every == 0
-            )
+            every = train.certificate_every
+            certify = kernel is not None and every and step % every == 0
             if certify:  # the kernel needs the parameters the chunk is about to donate
                 params_at_step = jax.tree.map(jnp.copy, params_at_step)
             state, buffers = program.runners.at(step)(
@@ -116,7 +138,7 @@ def run_loop(config, workdir, program, checkpointer, writer, step, config_json, 
                 records = [r | n for r, n in zip(records, ntk, strict=True)]
             writer.write(step, records)
             if diverging_runs(losses).size:
-                message = _diverged(config, program, checkpointer, writer, step, losses)
+                message = _diverged(train, program, checkpointer, writer, step, losses)
                 raise TrainingDiverged(message)
             step += num
             checkpointer.save(step, state, writer.checkpoint_meta(meta, step), force=step == total)
@@ -159,7 +181,7 @@ def _evaluate(program: Program, params) -> dict[str, np.ndarray]:
     return values
 
 
-def _diverged(config, program: Program, checkpointer, writer, step: int, losses) -> str:
+def _diverged(train: LoopSettings, program: Program, checkpointer, writer, step, losses) -> str:
     kernel = program.kernel
 
     def stable_lrs():
@@ -179,7 +201,7 @@ def _diverged(config, program: Program, checkpointer, writer, step: int, losses)
         checkpointer.steps(),
         checkpointer.directory,
         stable_lrs,
-        bool(config.sweep.lr),
+        train.sweeps_lr,
     )
 
 

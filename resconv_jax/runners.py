@@ -50,31 +50,43 @@ class ChunkRunners:
     Args:
       make_fns: `make_step_functions` with everything but `probe` and `runs_per_chunk` bound.
       probe_fn: the probe of a step's (R, L, P, M, d) intermediates, or None.
-      config: the run's config (train.log_every, train.runs_per_chunk, probe.every).
       mesh: the ('sweep', 'data') mesh.
       args: (state, hp, x, y) as the chunks will be called with (shapes and shardings).
+      log_every: steps per chunk (train.log_every); runs_per_chunk: train.runs_per_chunk (0 all
+        together, n > 0 that many at a time, -1 automatic); probe_every: probe.every (0: every
+        chunk probes its first step).
     """
 
-    def __init__(self, make_fns, probe_fn, config, mesh: jax.sharding.Mesh, args):
-        self.probe_every = config.probe.every if probe_fn is not None else 0
+    def __init__(
+        self,
+        make_fns,
+        probe_fn,
+        mesh: jax.sharding.Mesh,
+        args,
+        *,
+        log_every: int,
+        runs_per_chunk: int = 0,
+        probe_every: int = 0,
+    ):
+        self.probe_every = probe_every if probe_fn is not None else 0
         num_runs = jax.tree.leaves(args[1])[0].shape[0]
-        chunk = check_runs_per_chunk(config.train.runs_per_chunk, mesh)
+        chunk = check_runs_per_chunk(runs_per_chunk, mesh)
         self.runs_per_chunk = chunk if chunk < num_runs else 0  # 0: all runs together
-        self._compile = functools.partial(self._compile_chunk, make_fns, config, mesh, args)
+        self._compile = functools.partial(self._compile_chunk, make_fns, log_every, mesh, args)
         self._with_probe = self._compile(probe_fn)
-        if config.train.runs_per_chunk == -1:
+        if runs_per_chunk == -1:
             self.runs_per_chunk = automatic_runs_per_chunk(num_runs, mesh, self._with_probe)
             if self.runs_per_chunk:
                 self._with_probe = self._compile(probe_fn)
         self._without_probe = None if self.probe_every else self._with_probe
 
-    def _compile_chunk(self, make_fns, config, mesh, args, probe_fn):
+    def _compile_chunk(self, make_fns, log_every: int, mesh, args, probe_fn):
         state, hp, x, y = args
         fns = make_fns(probe=probe_fn, runs_per_chunk=self.runs_per_chunk)
         on_runs = jax.tree.map(lambda _: sharding.run_sharding(mesh), state)
         return (
             jax.jit(fns.run_steps, donate_argnums=0, out_shardings=(on_runs, None))
-            .lower(state, hp, x, y, jnp.int32(config.train.log_every))
+            .lower(state, hp, x, y, jnp.int32(log_every))
             .compile()
         )
 

@@ -16,20 +16,24 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from resconv_jax.analysis import theory
 from resconv_jax.analysis.probe import collapse_residual
 from resconv_jax.models.interface import Model
 
+# The step size is each run's, set in its optimizer state by `init_opt_state` only; NaN until
+# then, so that a state built without it cannot train.
+_UNSET = float("nan")
+
 
 def make_optimizer(optim_cfg) -> optax.GradientTransformation:
-    """Plain GD (`optax.sgd`), or the momentum / Adam ablations, with the step size in the state."""
+    """Plain GD (`optax.sgd`), or the momentum / Adam ablations (`optim_cfg.name`, `.momentum`),
+    with the step size a hyperparameter in the state (`init_opt_state`)."""
     if optim_cfg.name == "sgd":
-        return optax.inject_hyperparams(optax.sgd)(learning_rate=optim_cfg.lr)
+        return optax.inject_hyperparams(optax.sgd)(learning_rate=_UNSET)
     if optim_cfg.name == "momentum":
         return optax.inject_hyperparams(optax.sgd)(
-            learning_rate=optim_cfg.lr, momentum=optim_cfg.momentum
+            learning_rate=_UNSET, momentum=optim_cfg.momentum
         )
-    return optax.inject_hyperparams(optax.adam)(learning_rate=optim_cfg.lr)
+    return optax.inject_hyperparams(optax.adam)(learning_rate=_UNSET)
 
 
 def init_opt_state(optimizer: optax.GradientTransformation, params, lrs: jax.Array):
@@ -91,11 +95,7 @@ class StepFunctions:
     evaluate: Callable  # (params, hp, x, y) -> (R,) losses, all runs
     error: Callable  # (params, hp, x, labels) -> (R,) fraction misclassified, all runs
     run_steps: Callable  # (state, hp, x, y, num_steps) -> (state, buffers)
-    predict: Callable  # (params, hp, x) -> F(X), one run
-    # (params, hp, x) -> (λ_min(K), λ_max(K)), each (R,); one run at a time (see linalg.py)
-    kernel_eigenvalues: Callable
-    # (params, hp, x) -> (R,) λ_max(K) by matrix-free power iteration, one run at a time
-    kernel_lambda_max: Callable
+    predict: Callable  # (params, hp, x) -> F(X), one run (for the tangent kernel: certificate)
 
 
 def make_step_functions(
@@ -142,9 +142,6 @@ def make_step_functions(
 
     def error(params, hp, x, labels):
         return jnp.mean(jnp.argmax(predict(params, hp, x), axis=-1) != labels)
-
-    def kernel_eigenvalues_one(params, hp, x):
-        return theory.tangent_kernel_eigenvalues(lambda p: predict(p, hp, x), params)
 
     def step_one(state, hp, x, y):
         grad_fn = jax.value_and_grad(loss_and_intermediates, has_aux=True)
@@ -198,11 +195,4 @@ def make_step_functions(
         error=jax.vmap(error, in_axes=(0, 0, None, None)),
         run_steps=run_steps,
         predict=predict,
-        kernel_eigenvalues=lambda params, hp, x: jax.lax.map(
-            lambda run: kernel_eigenvalues_one(*run, x), (params, hp)
-        ),
-        kernel_lambda_max=lambda params, hp, x: jax.lax.map(
-            lambda run: theory.kernel_lambda_max(lambda p: predict(p, run[1], x), run[0]),
-            (params, hp),
-        ),
     )

@@ -9,6 +9,7 @@ data, memory, a workdir holding another run) is checked before the first write i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import shutil
@@ -21,12 +22,11 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from resconv_jax import sharding
-from resconv_jax.analysis import lanczos, probe
+from resconv_jax.analysis import probe
 from resconv_jax.analysis.certificate import (
-    Kernel,
-    jacobian_fits,
-    lanczos_eigenvalues,
     loss_scale,
+    make_kernel,
+    power_lambda_max,
     with_kernel_lrs,
 )
 from resconv_jax.analysis.summary import fit_floor, run_summaries
@@ -34,7 +34,7 @@ from resconv_jax.config_defaults import base_config
 from resconv_jax.data import data_module, load_dataset
 from resconv_jax.errors import ConfigError, Preempted, TrainingDiverged
 from resconv_jax.finished import RUNS_FILE, SUMMARY_FILE, refuse_fewer_steps
-from resconv_jax.loop import Program, run_loop
+from resconv_jax.loop import LoopSettings, Program, run_loop
 from resconv_jax.models import Model, RunSettings, build_model, model_module
 from resconv_jax.runners import ChunkRunners, check_runs_per_chunk
 from resconv_jax.runtime import memory, multihost, signals
@@ -77,11 +77,6 @@ def _defaults_json() -> dict:
     return json.loads(base_config().to_json_best_effort())
 
 
-def _init_params(model: Model, runs) -> dict:
-    """The initial parameters of every run, stacked (R, ...): each from its run's seed."""
-    return model.init_runs([run.seed for run in runs])
-
-
 def _num_outputs(model: Model, inputs, params) -> int:
     """Entries of one run's output F(inputs): the rows of its Jacobian."""
     structs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), inputs)
@@ -89,10 +84,16 @@ def _num_outputs(model: Model, inputs, params) -> int:
     return int(np.prod(out.shape))
 
 
-def _init_state(params, runs, optimizer):
+def _state(params, runs, optimizer):
     """Train state from stacked initial params (R, ...), with each run's step size."""
     lrs = jnp.asarray([run.lr for run in runs], jax.tree.leaves(params)[0].dtype)
     return {"params": params, "opt_state": init_opt_state(optimizer, params, lrs)}
+
+
+def initial_state(model: Model, runs, optimizer) -> dict:
+    """The train state {"params", "opt_state"} of `runs` before any step, stacked (R, ...):
+    each run's parameters from its seed, its optimizer state with its step size."""
+    return _state(model.init_runs([run.seed for run in runs]), runs, optimizer)
 
 
 def _stop_before_training(what: str) -> None:
@@ -235,8 +236,10 @@ def _check_model_size(config, shapes: dict[str, int], groups) -> None:
     )
 
 
-def _build(config, dataset, mesh, model: Model, num_outputs: int, num_params: int, runs) -> Program:
+def _build(config, parts: _Parts, runs) -> Program:
     """Places data and state on the mesh, compiles the chunks, refuses what cannot fit."""
+    dataset, mesh, model = parts.dataset, parts.mesh, parts.model
+    num_outputs, num_params = parts.num_outputs, parts.num_params
     put_data = functools.partial(sharding.put_tree, sharding=sharding.data_sharding(mesh))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     x, y = put_data(dataset.x_train), put_data(dataset.y_train)
@@ -267,22 +270,37 @@ def _build(config, dataset, mesh, model: Model, num_outputs: int, num_params: in
         config.train.log_every,
         loss_kind=config.optim.loss,
     )
-    fns = make_fns()  # loss, step, evaluate, kernel: the chunk runners add the probe
-    scale = loss_scale(config, num_outputs)
+    fns = make_fns()  # loss, step, evaluate, predict: the chunk runners add the probe
+    scale = loss_scale(config.optim.reduction, num_outputs)
     kernel = None
     if config.certificate.every or config.optim.lr_rule == "lambda_max":
-        kernel = _make_kernel(config, fns, scale, num_outputs, num_params)
-    params = _init_params(model, runs)
+        kernel = make_kernel(
+            fns.predict,
+            scale,
+            num_outputs,
+            num_params,
+            max_entries=config.certificate.max_jacobian_entries,
+            iterations=config.certificate.lanczos_iterations,
+        )
+    params = model.init_runs([run.seed for run in runs])
     if config.optim.lr_rule == "lambda_max":
-        runs = with_kernel_lrs(config, runs, kernel, params, hp, x)
-    state = sharding.put_tree(_init_state(params, runs, optimizer), on_runs)
+        runs = with_kernel_lrs(config.optim.lr_factor, runs, kernel, params, hp, x)
+    state = sharding.put_tree(_state(params, runs, optimizer), on_runs)
 
     def lambda_max_at_init():
-        initial = sharding.put_tree(_init_params(model, runs), on_runs)
-        return multihost.to_host(jax.jit(fns.kernel_lambda_max)(initial, hp, x))
+        initial = sharding.put_tree(model.init_runs([run.seed for run in runs]), on_runs)
+        return multihost.to_host(jax.jit(power_lambda_max(fns.predict))(initial, hp, x))
 
     t0 = time.perf_counter()
-    runners = ChunkRunners(make_fns, probe_fn, config, mesh, (state, hp, x, y))
+    runners = ChunkRunners(
+        make_fns,
+        probe_fn,
+        mesh,
+        (state, hp, x, y),
+        log_every=config.train.log_every,
+        runs_per_chunk=config.train.runs_per_chunk,
+        probe_every=config.probe.every,
+    )
     memory.check_compiled(runners.largest, mesh)
     return Program(
         runs=runs,
@@ -303,25 +321,6 @@ def _build(config, dataset, mesh, model: Model, num_outputs: int, num_params: in
         flops=step_flops(fns.step, state, hp, x, y),
         compile_seconds=time.perf_counter() - t0,
     )
-
-
-def _make_kernel(config, fns, scale: float, num_outputs: int, num_params: int) -> Kernel:
-    """The certificate's eigenvalues: K formed from J when J fits certificate.max_jacobian_entries,
-    else Lanczos (J never formed; its cost and accuracy are said in one line)."""
-    if jacobian_fits(config, num_outputs, num_params):
-        return Kernel(jax.jit(fns.kernel_eigenvalues), scale)
-    iterations = config.certificate.lanczos_iterations
-    products = lanczos.num_products(iterations, num_outputs, num_params)
-    print(
-        f"certificate: J ({num_outputs} outputs x {num_params} params) exceeds "
-        f"certificate.max_jacobian_entries={config.certificate.max_jacobian_entries}: "
-        "λ_min, λ_max of K by "
-        f"Lanczos ({products} products J(Jᵀv) per run per check, "
-        f"certificate.lanczos_iterations={iterations}), accuracy in ntk/residual_min, "
-        "ntk/residual_max",
-        flush=True,
-    )
-    return Kernel(jax.jit(lanczos_eigenvalues(fns.predict, iterations)), scale)
 
 
 def _run_groups(config, workdir: epath.Path, dataset, groups) -> list[dict]:
@@ -355,9 +354,19 @@ def _run_groups(config, workdir: epath.Path, dataset, groups) -> list[dict]:
     return summaries
 
 
-def _run_locked(config, workdir: epath.Path, dataset, runs) -> list[dict]:
-    """`run` once the workdir is locked, for `runs` of one shape: checks, restore, the step loop,
-    the summary."""
+@dataclasses.dataclass(frozen=True)
+class _Parts:
+    """What a program is built from: the model, its data (teacher targets filled in), the mesh,
+    and one run's output and parameter counts (the Jacobian's shape)."""
+
+    model: Model
+    dataset: object
+    mesh: jax.sharding.Mesh
+    num_outputs: int
+    num_params: int
+
+
+def _parts(config, dataset, runs) -> _Parts:
     model = build_model(config.model, dataset)
     if dataset.teacher_seed is not None:
         dataset = dataset.with_teacher_targets(model)
@@ -366,6 +375,30 @@ def _run_locked(config, workdir: epath.Path, dataset, runs) -> list[dict]:
     one_run_params = model.init(runs[0].seed)
     num_outputs = _num_outputs(model, dataset.x_train, one_run_params)
     num_params = sum(np.size(leaf) for leaf in jax.tree.leaves(one_run_params))
+    return _Parts(model, dataset, mesh, num_outputs, num_params)
+
+
+def build_program(config, dataset=None, runs=None) -> Program:
+    """The program `run` trains, built and compiled but not run: data and initial state placed
+    on the mesh, the chunks compiled (for benchmarks and tests).
+
+    dataset: the data (default: `config.data` loaded); runs: those of one shape (default: the
+    first group of `config`'s sweep, `sweep.group_runs`). Raises ConfigError for a size that
+    cannot fit.
+    """
+    if runs is None:
+        shape, runs = group_runs(expand_runs(config))[0]
+        config = group_config(config, shape)
+    dataset = load_dataset(config) if dataset is None else dataset
+    parts = _parts(config, dataset, runs)
+    return _build(config, parts, runs)
+
+
+def _run_locked(config, workdir: epath.Path, dataset, runs) -> list[dict]:
+    """`run` once the workdir is locked, for `runs` of one shape: checks, restore, the step loop,
+    the summary."""
+    parts = _parts(config, dataset, runs)
+    dataset = parts.dataset
     train = config.train
     checkpointer = Checkpointer(
         workdir,
@@ -379,7 +412,7 @@ def _run_locked(config, workdir: epath.Path, dataset, runs) -> list[dict]:
         if saved is not None:
             check_same_run(workdir, saved, config_json, where, _defaults_json())
         refuse_fewer_steps(config, [workdir])
-        program = _build(config, dataset, mesh, model, num_outputs, num_params, runs)
+        program = _build(config, parts, runs)
         _stop_before_training("compiling")
         if jax.process_index() == 0:
             write_json(workdir / CONFIG_FILE, config_json)
@@ -389,7 +422,8 @@ def _run_locked(config, workdir: epath.Path, dataset, runs) -> list[dict]:
         writer = MetricsWriter(workdir, kept)
         checkpointer.on_save = writer.sync  # object storage: metrics written whole before a save
         try:
-            run_loop(config, workdir, program, checkpointer, writer, step, config_json, dataset)
+            loop = LoopSettings.from_config(config)
+            run_loop(loop, program, checkpointer, writer, step, config_json, dataset)
             _final_sync(writer, checkpointer)
         finally:
             writer.close()

@@ -44,7 +44,7 @@ def finish(process, timeout: float = 120) -> tuple[int, str, str]:
         ("raises.py", ["--config.optim.lr=1"], "loading it failed (RuntimeError: boom)"),
         (TINY, ["--config.optim.lr=inf"], "config.optim.lr=inf: must be a finite number"),
         (TINY, ["--config.data.num_samples=100000000"], "the data set alone needs"),
-        (f"{THEORY}:bogus", [], "theory.py: unknown variant bogus (it has no variants)"),
+        (f"{THEORY}:bogus", [], "theory.py: unknown variant bogus (its variants: float64,"),
         ("nosection.py", [], "the config has no 'train' field or section"),
         (TINY, ["--config.theory.every=10"], "--config.theory.every is now --config.certificate"),
     ],

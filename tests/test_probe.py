@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hlo_collectives import largest_collective_elements
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -137,7 +138,7 @@ def test_no_collective_as_large_as_stacked_z():
     shape = (2, 2, 64, 32, 16)  # (R, L, P, M, d): per run and layer, a (2048, 16) stacked Z
     attn, z = (put(rng.standard_normal(shape).astype(np.float32), mesh, spec) for _ in range(2))
     hlo = compiled_hlo(lambda a, b: probe.probe_attention(a, b, mesh), attn, z)
-    largest = probe.largest_collective_elements(hlo)
+    largest = largest_collective_elements(hlo)
     assert 0 < largest <= z.size // 64, (largest, z.size)
 
 
@@ -149,7 +150,7 @@ def test_collective_check_flags_a_gathering_implementation():
         stacked = a.reshape(2, 64 * 32, 16)
         return jnp.linalg.svd(stacked, full_matrices=False, compute_uv=False)
 
-    assert probe.largest_collective_elements(compiled_hlo(gathering, x)) >= x.size // 2
+    assert largest_collective_elements(compiled_hlo(gathering, x)) >= x.size // 2
 
 
 def test_largest_collective_elements_parses_hlo():
@@ -161,8 +162,8 @@ def test_largest_collective_elements_parses_hlo():
             "  ROOT %t = f32[4,128]{1,0} add(%rs, %rs)",
         ]
     )
-    assert probe.largest_collective_elements(hlo) == 4096
-    assert probe.largest_collective_elements("  %a = f32[8]{0} add(%b, %c)") == 0
+    assert largest_collective_elements(hlo) == 4096
+    assert largest_collective_elements("  %a = f32[8]{0} add(%b, %c)") == 0
 
 
 def test_small_batches_loops_on_cpu_and_batches_elsewhere(monkeypatch):

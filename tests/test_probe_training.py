@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hlo_collectives import largest_collective_elements
 from jax.flatten_util import ravel_pytree
 
 from resconv_jax import sharding, train
@@ -60,8 +61,8 @@ def final_params(config, workdir) -> dict:
     model_cfg = transformer.model_config(
         config.model, d=data.x_train.shape[-1], d_y=data.y_train.shape[-1]
     )
-    params = train._init_params(transformer.make_model(model_cfg), runs)
-    abstract = train._init_state(params, runs, make_optimizer(config.optim))
+    model = transformer.make_model(model_cfg)
+    abstract = train.initial_state(model, runs, make_optimizer(config.optim))
     checkpointer = Checkpointer(str(workdir), every=1, keep=1, use_async=False)
     try:
         step, state, _ = checkpointer.restore_latest(abstract)
@@ -239,8 +240,8 @@ def test_compiled_training_step_moves_no_z_sized_array(mesh_shape, num_runs):
     on_runs = sharding.run_sharding(mesh)
     hp = sharding.put_tree(run_settings(runs), on_runs)
     optimizer = make_optimizer(config.optim)
-    params = train._init_params(transformer.make_model(model_cfg), runs)
-    state = sharding.put_tree(train._init_state(params, runs, optimizer), on_runs)
+    initial = train.initial_state(transformer.make_model(model_cfg), runs, optimizer)
+    state = sharding.put_tree(initial, on_runs)
     num_params = sum(leaf[0].size for leaf in jax.tree.leaves(state["params"]))
 
     def compiled_hlo(probe_fn):
@@ -264,7 +265,7 @@ def test_compiled_training_step_moves_no_z_sized_array(mesh_shape, num_runs):
     gathered_r = runs_per_device * n_data * d * d  # (R_local, L = 1, n_data·d, d)
     z_elements = num_runs * config.data.num_samples * config.data.seq_len * d
     assert z_elements >= 32 * max(num_params, gathered_r)  # so that the check means something
-    largest = probe.largest_collective_elements(probed)
+    largest = largest_collective_elements(probed)
     assert 0 < largest <= max(gathered_r, num_params), (largest, gathered_r, num_params)
     assert largest <= z_elements // 32
 

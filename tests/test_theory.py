@@ -12,8 +12,24 @@ from resconv_jax.analysis import theory
 from resconv_jax.analysis.summary import FIT_FLOOR, fit_floor, fit_rate
 
 
+def contraction_factors(losses) -> np.ndarray:
+    """(T,) losses -> (T − 1,) ratios L_{t+1}/L_t."""
+    losses = np.asarray(losses, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return losses[1:] / losses[:-1]
+
+
+def hold_fraction(measured, bound, *, rtol: float = 1e-6) -> float:
+    """Fraction of steps with measured ratio ≤ bound, over entries where both are not NaN."""
+    measured, bound = np.broadcast_arrays(np.asarray(measured), np.asarray(bound))
+    checked = ~(np.isnan(measured) | np.isnan(bound))
+    if not checked.any():
+        return math.nan
+    return float(np.mean(theory.bound_holds(measured[checked], bound[checked], rtol=rtol)))
+
+
 def test_contraction_factors():
-    np.testing.assert_allclose(theory.contraction_factors([8.0, 4.0, 1.0]), [0.5, 0.25])
+    np.testing.assert_allclose(contraction_factors([8.0, 4.0, 1.0]), [0.5, 0.25])
 
 
 def test_fit_linear_rate_exact_and_noisy():
@@ -74,8 +90,7 @@ def test_tangent_kernel_eigenvalues(samples, width, hidden, out):
             assert lam_min == 0.0
         else:
             assert lam_min > 0.0
-        assert theory.kernel_affordable(f, params, n * p)
-        assert not theory.kernel_affordable(f, params, n * p - 1)
+        assert theory.jacobian_size(*theory.jacobian_shape(f, params)) == n * p
 
 
 def gradient_descent_ratios(a, y, lr, steps, loss_scale):
@@ -86,7 +101,7 @@ def gradient_descent_ratios(a, y, lr, steps, loss_scale):
         r = a @ theta - y
         losses.append(0.5 * loss_scale * r @ r)
         theta -= lr * loss_scale * (a.T @ r)
-    return theory.contraction_factors(losses)
+    return contraction_factors(losses)
 
 
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
@@ -103,7 +118,7 @@ def test_certificate_exact_for_linear_least_squares(reduction):
     lr = 1.0 / (lam_max * scale)  # η' = 1/λ_max
     ratios = gradient_descent_ratios(a, y, lr, 200, scale)
     bound = theory.certificate_bound(lr, lam_min, loss_scale=scale)
-    assert theory.hold_fraction(ratios, bound) == 1.0
+    assert hold_fraction(ratios, bound) == 1.0
     assert ratios[-1] == pytest.approx(bound, rel=1e-3)  # the slowest direction dominates: tight
 
 
@@ -119,9 +134,9 @@ def test_stable_lr_separates_convergence_from_divergence():
 def test_bound_holds_and_hold_fraction():
     measured = np.array([0.5, 0.9, np.nan, 0.81])
     np.testing.assert_array_equal(theory.bound_holds(measured, 0.81), [True, False, False, True])
-    assert theory.hold_fraction(measured, 0.81) == pytest.approx(2 / 3)
-    assert theory.hold_fraction(measured, [0.81, 0.81, 0.81, np.nan]) == 0.5
-    assert math.isnan(theory.hold_fraction([np.nan], 1.0))
+    assert hold_fraction(measured, 0.81) == pytest.approx(2 / 3)
+    assert hold_fraction(measured, [0.81, 0.81, 0.81, np.nan]) == 0.5
+    assert math.isnan(hold_fraction([np.nan], 1.0))
 
 
 def test_rate_fit_floor_follows_the_training_dtype():

@@ -130,8 +130,7 @@ def test_same_seed_gives_same_initialization_whatever_beta():
     runs = train.expand_runs(config)
     model_cfg = transformer.model_config(config.model, d=32, d_y=1)
     optimizer = train.make_optimizer(config.optim)
-    initial = train._init_params(transformer.make_model(model_cfg), runs)
-    params = train._init_state(initial, runs, optimizer)["params"]
+    params = train.initial_state(transformer.make_model(model_cfg), runs, optimizer)["params"]
     w_q = np.asarray(params["blocks"][0]["w_q"])
     assert [(r.seed, r.beta_attn) for r in runs[:4]] == [(0, 0.0), (0, 0.5), (0, 1.0), (1, 0.0)]
     np.testing.assert_array_equal(w_q[0], w_q[2])

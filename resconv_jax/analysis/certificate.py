@@ -12,18 +12,34 @@ import jax
 import numpy as np
 
 from resconv_jax.analysis import theory
-from resconv_jax.analysis.lanczos import tangent_kernel_lanczos
+from resconv_jax.analysis.lanczos import num_products, tangent_kernel_lanczos
 from resconv_jax.runtime.multihost import to_host
 
 
-def loss_scale(config, num_outputs: int) -> float:
-    """d loss / d(½‖F − Y‖²): 1 for the sum reduction, 1/N for the mean over the N outputs."""
-    return 1.0 if config.optim.reduction == "sum" else 1.0 / num_outputs
+def loss_scale(reduction: str, num_outputs: int) -> float:
+    """d loss / d(½‖F − Y‖²): 1 for the "sum" reduction, 1/N for the "mean" over the N outputs."""
+    return 1.0 if reduction == "sum" else 1.0 / num_outputs
 
 
-def jacobian_fits(config, num_outputs: int, num_params: int) -> bool:
-    """Whether J (outputs × the parameters of one run) fits certificate.max_jacobian_entries."""
-    return num_outputs * num_params <= config.certificate.max_jacobian_entries
+def dense_eigenvalues(predict):
+    """(params, hp, x) -> (λ_min, λ_max), each (R,): K = J Jᵀ formed and diagonalized per run
+    (lax.map), `predict(params, hp, x)` one run's outputs."""
+
+    def one_run(run, x):
+        params, hp = run
+        return theory.tangent_kernel_eigenvalues(lambda p: predict(p, hp, x), params)
+
+    return lambda params, hp, x: jax.lax.map(lambda run: one_run(run, x), (params, hp))
+
+
+def power_lambda_max(predict):
+    """(params, hp, x) -> (R,) λ_max(K) per run by matrix-free power iteration."""
+
+    def one_run(run, x):
+        params, hp = run
+        return theory.kernel_lambda_max(lambda p: predict(p, hp, x), params)
+
+    return lambda params, hp, x: jax.lax.map(lambda run: one_run(run, x), (params, hp))
 
 
 def lanczos_eigenvalues(predict, iterations: int):
@@ -71,8 +87,28 @@ class Kernel:
         return records
 
 
-def with_kernel_lrs(config, runs, kernel: Kernel, params, hp, x):
+def make_kernel(
+    predict, scale: float, num_outputs: int, num_params: int, *, max_entries: int, iterations: int
+) -> Kernel:
+    """The certificate's eigenvalues of `predict`'s tangent kernel: K formed from J when J
+    (outputs × the parameters of one run) has at most `max_entries` entries, else Lanczos with
+    `iterations` steps (J never formed; its cost and accuracy are said in one line)."""
+    if num_outputs * num_params <= max_entries:
+        return Kernel(jax.jit(dense_eigenvalues(predict)), scale)
+    products = num_products(iterations, num_outputs, num_params)
+    print(
+        f"certificate: J ({num_outputs} outputs x {num_params} params) exceeds "
+        f"certificate.max_jacobian_entries={max_entries}: λ_min, λ_max of K by "
+        f"Lanczos ({products} products J(Jᵀv) per run per check, "
+        f"certificate.lanczos_iterations={iterations}), accuracy in ntk/residual_min, "
+        "ntk/residual_max",
+        flush=True,
+    )
+    return Kernel(jax.jit(lanczos_eigenvalues(predict, iterations)), scale)
+
+
+def with_kernel_lrs(lr_factor: float, runs, kernel: Kernel, params, hp, x):
     """lr_rule="lambda_max": each run's η = lr_factor / (λ_max(K)·loss_scale) at initialization."""
     _, lam_max, *_ = (to_host(v) for v in kernel.eigenvalues(params, hp, x))
-    lrs = config.optim.lr_factor / (lam_max * kernel.loss_scale)
+    lrs = lr_factor / (lam_max * kernel.loss_scale)
     return [dataclasses.replace(run, lr=float(lr)) for run, lr in zip(runs, lrs, strict=True)]

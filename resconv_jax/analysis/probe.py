@@ -22,7 +22,6 @@ devices' concurrent LAPACK QRs otherwise fight over OpenBLAS threads (100× slow
 """
 
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -180,67 +179,6 @@ def probe_attention(
             stats["sample_sigma_min"] = sample_min[0]
         out.update({f"{name}/{key}": value for key, value in stats.items()})
     return out
-
-
-_COLLECTIVES = (
-    "all-gather",
-    "all-reduce",
-    "collective-permute",
-    "all-to-all",
-    "reduce-scatter",
-    "collective-broadcast",
-    "ragged-all-to-all",
-)
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$")
-_SHAPE = re.compile(r"\b(?:pred|[suf]\d+|bf16|f8\w*|c64|c128)\[([\d,]*)\]")
-
-
-def _max_elements(text: str) -> int:
-    sizes = [1]
-    for dims in _SHAPE.findall(text):
-        n = 1
-        for size in filter(None, dims.split(",")):
-            n *= int(size)
-        sizes.append(n)
-    return max(sizes)
-
-
-def _split_type(rest: str) -> tuple[str, str]:
-    """'(f32[2], f32[3]) op(...)' or 'f32[2]{0} op(...)' -> (type, 'op(...)')."""
-    if not rest.startswith("("):
-        head, _, tail = rest.partition(" ")
-        return head, tail
-    depth = 0
-    for i, c in enumerate(rest):
-        depth += {"(": 1, ")": -1}.get(c, 0)
-        if depth == 0:
-            return rest[: i + 1], rest[i + 1 :].lstrip()
-    return rest, ""
-
-
-def largest_collective_elements(hlo_text: str) -> int:
-    """Largest element count among the results and operands of collectives in HLO text (0: none).
-
-    Use on ``jitted.lower(...).compile().as_text()`` to check that a step moves no large array.
-    Compiled HLO names operands without their shapes, so operand shapes are looked up by name.
-    """
-    sizes: dict[str, int] = {}
-    collectives: list[tuple[str, str]] = []
-    for line in hlo_text.splitlines():
-        m = _INSTRUCTION.match(line)
-        if not m:
-            continue
-        name, rest = m.groups()
-        result_type, call = _split_type(rest)
-        sizes[name] = _max_elements(result_type)
-        op = call.partition("(")[0]
-        if op.removesuffix("-start").removesuffix("-done") in _COLLECTIVES:
-            collectives.append((name, call.partition("(")[2].partition(")")[0]))
-    largest = 0
-    for name, operands in collectives:
-        operand_sizes = [sizes.get(o, 0) for o in re.findall(r"%([^\s,)]+)", operands)]
-        largest = max(largest, sizes[name], _max_elements(operands), *operand_sizes)
-    return largest
 
 
 def collapse_residual(x: jax.Array, row_mask: jax.Array | None = None) -> jax.Array:

@@ -17,13 +17,6 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 
-def contraction_factors(losses) -> np.ndarray:
-    """(T,) losses -> (T − 1,) ratios L_{t+1}/L_t."""
-    losses = np.asarray(losses, dtype=np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return losses[1:] / losses[:-1]
-
-
 def fit_linear_rate(steps, losses, *, window: int | None = None) -> tuple[float, float]:
     """Least-squares fit of log L_t = a + t log ρ over the last ``window`` points (all if None).
 
@@ -58,11 +51,6 @@ def jacobian_shape(f: Callable, params) -> tuple[int, int]:
 def jacobian_size(n: int, p: int) -> int:
     """Entries of the (n, p) Jacobian, the memory that ``tangent_kernel_eigenvalues`` needs."""
     return n * p
-
-
-def kernel_affordable(f: Callable, params, max_jacobian_entries: int) -> bool:
-    """Whether J of ``f`` at ``params`` has ≤ max_jacobian_entries entries (else skip it)."""
-    return jacobian_size(*jacobian_shape(f, params)) <= max_jacobian_entries
 
 
 def tangent_kernel_eigenvalues(f: Callable, params) -> tuple[jax.Array, jax.Array]:
@@ -145,12 +133,3 @@ def stable_lr(lam_max, *, loss_scale=1.0):
 def bound_holds(measured_ratio, bound, *, rtol: float = 1e-6) -> np.ndarray:
     """Elementwise measured L_{t+1}/L_t ≤ bound·(1 + rtol); NaN entries give False."""
     return np.asarray(measured_ratio) <= np.asarray(bound) * (1.0 + rtol)
-
-
-def hold_fraction(measured, bound, *, rtol: float = 1e-6) -> float:
-    """Fraction of steps with measured ratio ≤ bound, over entries where both are not NaN."""
-    measured, bound = np.broadcast_arrays(np.asarray(measured), np.asarray(bound))
-    checked = ~(np.isnan(measured) | np.isnan(bound))
-    if not checked.any():
-        return math.nan
-    return float(np.mean(bound_holds(measured[checked], bound[checked], rtol=rtol)))

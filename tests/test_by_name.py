@@ -89,6 +89,7 @@ def _losses(workdir) -> list[tuple]:
     return [(line["step"], line["run"], line["loss"], line.get("grad_norm")) for line in lines]
 
 
+@pytest.mark.slow
 def test_a_new_model_is_one_file_trained_by_name_through_main(
     paper_copy, tmp_path, capsys, monkeypatch
 ):

@@ -85,6 +85,7 @@ def test_a_width_sweep_of_real_data_is_refused():
         validate_config(config)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "sweep, direct, label",
     [

@@ -55,6 +55,7 @@ def cut_metrics(workdir, keep_lines: int, torn: bool) -> None:
         f.write(text)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keep_lines, torn", [(7, True), (12, False), (0, False)])
 def test_cut_metrics_are_recomputed_from_an_earlier_checkpoint(
     tmp_path, reference, capsys, keep_lines, torn

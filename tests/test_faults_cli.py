@@ -36,6 +36,7 @@ def finish(process, timeout: float = 120) -> tuple[int, str, str]:
     return process.returncode, out, err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "config_file, extra, expected",
     [
@@ -136,6 +137,7 @@ def test_a_full_disk_is_status_4_and_the_rerun_completes(tmp_path):
         shutil.rmtree(disk, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_an_unreadable_checkpoint_is_one_line_and_no_traceback(tmp_path):
     flags = ["--config.train.num_steps=30", "--config.train.async_checkpoints=False"]
     status, _, err = finish(main(f"--config={TINY}", f"--workdir={tmp_path}", *flags))
@@ -149,6 +151,7 @@ def test_an_unreadable_checkpoint_is_one_line_and_no_traceback(tmp_path):
     assert "Traceback" not in err and "Exception ignored" not in err, err
 
 
+@pytest.mark.slow
 def test_a_failed_first_checkpoint_save_exits_4_promptly(tmp_path):
     """`checkpoints` is a file: the first (background) save fails; the process must not hang on
     Orbax's threads after its one line."""

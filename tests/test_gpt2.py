@@ -209,6 +209,7 @@ def test_body_is_copied_and_head_is_fresh_from_seed(folders, tensors):
     assert not np.allclose(other["head"]["weight"], params["head"]["weight"])
 
 
+@pytest.mark.slow
 def test_right_padding_leaves_real_tokens_unchanged(folders):
     _, graphdef, params = load(folders["transformer."])
     padded = batch(lengths=(8, 5), seed=2)

@@ -50,6 +50,7 @@ def paper_outputs(hp, seed):
     return (lambda p: model.apply(p, x, hp)), model.init(seed)
 
 
+@pytest.mark.slow
 def test_paper_model_matches_dense_in_float64():
     with jax.enable_x64(True):
         f, params = paper_outputs(RunSettings(0.5, 1.0), seed=3)
@@ -78,6 +79,7 @@ def test_more_outputs_than_parameters_gives_zero_lam_min():
         assert spec.lam_min == 0.0 and spec.res_min == 0.0 and spec.products == p + 1
 
 
+@pytest.mark.slow
 def test_gpt2_matches_dense_in_float64():
     with jax.enable_x64(True):
         shape = {"vocab_size": 30, "n_positions": 8, "n_embd": 8, "n_head": 2, "n_layer": 2}
@@ -133,6 +135,7 @@ def test_breakdown_with_full_rank_restarts_instead_of_inventing_zeros():
         np.testing.assert_allclose(basis @ basis.T, np.eye(d.size), atol=1e-14)
 
 
+@pytest.mark.slow
 def test_fewer_steps_bound_the_extremes_from_inside():
     with jax.enable_x64(True):
         f, params = paper_outputs(RunSettings(1.0, 1.0), seed=5)
@@ -147,6 +150,7 @@ def test_fewer_steps_bound_the_extremes_from_inside():
         assert lam_max - spec.lam_max <= spec.res_max * (1 + 1e-9)
 
 
+@pytest.mark.slow
 def test_under_lax_map_and_vmap_over_runs():
     with jax.enable_x64(True):
         model, x = paper_model(num_layers=1)
@@ -204,6 +208,7 @@ def test_no_jacobian_sized_buffer(samples, width, hidden, out):
     assert largest_buffer(lambda q: theory.tangent_kernel_eigenvalues(f, q), params) >= n * p
 
 
+@pytest.mark.slow
 def test_training_certificate_by_lanczos_equals_the_dense_one(tmp_path, capsys):
     """J over certificate.max_jacobian_entries: the trainer's certificate runs by Lanczos, says so
     in one line, logs residuals, and (k ≥ n, float64) matches the dense certificate to 1e-6."""

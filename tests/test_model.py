@@ -66,6 +66,7 @@ def test_smooth_and_linear_activations_match_numpy(activation):
     assert not np.allclose(np.asarray(out), np.asarray(relu))  # the activation is really used
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("activation", ["gelu", "softplus"])
 def test_smooth_activation_gradients_match_finite_differences(activation):
     with jax.enable_x64(True):
@@ -110,6 +111,7 @@ def test_same_seed_same_weights_and_qk_init_variance():
     assert np.var(c["blocks"][0]["w_q"]) == pytest.approx(1 / 64, rel=0.05)
 
 
+@pytest.mark.slow
 def test_gd_step_is_params_minus_lr_grad_with_finite_difference_gradient():
     with jax.enable_x64(True):
         cfg = transformer.ModelConfig(d=3, d_qk=2, d_h=4, d_y=1, num_layers=2)
@@ -146,6 +148,7 @@ def test_gd_step_is_params_minus_lr_grad_with_finite_difference_gradient():
         np.testing.assert_allclose(metrics["grad_norm"][0], optax.tree.norm(grad), rtol=1e-12)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_layers", [1, 2])
 def test_fast_backward_gives_the_plain_gradients_vmapped_or_not(num_layers):
     cfg = transformer.ModelConfig(d=6, d_qk=4, d_h=12, d_y=2, num_layers=num_layers)
@@ -175,6 +178,7 @@ def test_fast_backward_gives_the_plain_gradients_vmapped_or_not(num_layers):
         np.testing.assert_allclose(fast_flat, plain_flat, rtol=1e-5, atol=1e-6 * scale)
 
 
+@pytest.mark.slow
 def test_fast_backward_is_reverse_mode_only_and_softmax_matches():
     cfg = transformer.ModelConfig(d=4, d_qk=2, d_h=8, d_y=1)
     graphdef, params = transformer.init_params(cfg, seed=0)

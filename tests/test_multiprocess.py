@@ -110,6 +110,7 @@ def wait_for_lines(workdir, count: int, process: subprocess.Popen) -> None:
     raise AssertionError(f"no {count} metrics lines in {path}")
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one_for_theory_and_jena(tmp_path):
     for name, args in (("theory", THEORY), ("jena", JENA_SHORT)):
         single, double = tmp_path / f"{name}_1x8", tmp_path / f"{name}_2x4"
@@ -126,6 +127,7 @@ def test_two_processes_equal_one_for_theory_and_jena(tmp_path):
     print({k: v for k, v in worst.items() if v == 0.0})
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_process_saves_on_all_at_one_step_and_resumes_exactly(tmp_path):
     args = [*THEORY, "--config.train.num_steps=600", "--config.train.checkpoint_every=1000"]
     reference, workdir = tmp_path / "reference", tmp_path / "preempted"
@@ -149,6 +151,7 @@ def test_sigterm_to_one_process_saves_on_all_at_one_step_and_resumes_exactly(tmp
     assert metrics(workdir) == metrics(reference)
 
 
+@pytest.mark.slow
 def test_a_killed_process_stops_the_other_with_one_line_and_a_rerun_resumes(tmp_path):
     args = [*THEORY, "--config.train.num_steps=600", "--config.train.checkpoint_every=50"]
     workdir = tmp_path / "killed"
@@ -187,6 +190,7 @@ def test_a_killed_process_stops_the_other_with_one_line_and_a_rerun_resumes(tmp_
     assert steps == list(range(0, 601, 5))
 
 
+@pytest.mark.slow
 def test_a_mesh_that_leaves_devices_out_is_refused_in_one_line_per_process(tmp_path):
     workdir = tmp_path / "mesh"
     result = two_processes([*THEORY, "--config.mesh.data=4", "--config.mesh.sweep=1"], workdir)

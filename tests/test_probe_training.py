@@ -87,6 +87,7 @@ def probed_run(tmp_path_factory):
     return config, workdir
 
 
+@pytest.mark.slow
 def test_probe_leaves_losses_and_parameters_unchanged(probed_run, tmp_path):
     config, probed = probed_run
     plain = tmp_path / "plain"
@@ -142,6 +143,7 @@ def test_probe_values_match_an_svd_of_the_models_z(probed_run):
 SHORT = {"train.num_steps": 10, "train.checkpoint_every": 10}
 
 
+@pytest.mark.slow
 def test_float64_probe_of_a_float32_model(probed_run, tmp_path):
     """x64 on for the probe only: the same float32 training, the probe's values in float64."""
     _, probed = probed_run
@@ -156,6 +158,7 @@ def test_float64_probe_of_a_float32_model(probed_run, tmp_path):
     assert loss_column(tmp_path) == float32_losses
 
 
+@pytest.mark.slow
 def test_float64_model_trains_in_float64_from_the_float32_draws(tmp_path):
     with jax.enable_x64(True):
         config = tiny(**SHORT, **{"model.dtype": "float64"})
@@ -211,6 +214,7 @@ def test_probe_values_same_on_eight_devices_and_one(probed_run, tmp_path):
                 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape, num_runs", [((1, 8), 1), ((2, 4), 2)])
 def test_compiled_training_step_moves_no_z_sized_array(mesh_shape, num_runs):
     """run_steps as train.run compiles it: the only collectives are the probe's d×d R factors and
@@ -270,6 +274,7 @@ def test_compiled_training_step_moves_no_z_sized_array(mesh_shape, num_runs):
     assert largest <= z_elements // 32
 
 
+@pytest.mark.slow
 def test_certificate_holds_while_step_size_below_one_over_lambda_max(tmp_path):
     """η = 0.5/λ_max(K) at initialization (lr_rule="lambda_max"). λ_max(K) grows while training
     (with lr_factor=1, η·λ_max(K_t) reaches 1.8 by step 45, outside the certificate's premise), so
@@ -300,6 +305,7 @@ def test_certificate_holds_while_step_size_below_one_over_lambda_max(tmp_path):
         assert r["ntk/holds"] == 1.0, r
 
 
+@pytest.mark.slow
 def test_kernel_from_j_jt_and_jt_j_share_nonzero_eigenvalues():
     """K = J Jᵀ (n × n) and G = Jᵀ J (p × p) of the actual model, float64, for one run (β = 1)."""
     config = tiny(**TINY_THEORY)

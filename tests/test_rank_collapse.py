@@ -124,6 +124,7 @@ def test_attn_collapses_with_d_qk_and_the_residual_does_not(tiny_run):
         assert r["z_ratio_stacked/min"] > 0.2
 
 
+@pytest.mark.slow
 def test_float64_agrees_with_float32_above_the_float32_floor(tiny_run, tmp_path):
     """The same weights (drawn in float32) in float64: the ratios float32 resolves agree."""
     _, rows32 = tiny_run
@@ -162,6 +163,7 @@ def per_sample_stats(m: np.ndarray) -> dict:
     return stats
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(3, 6, 4), (3, 4, 4), (2, 3, 5)])  # M > d, M = d, M < d
 def test_uniform_attention_is_rank_one_and_the_residual_keeps_the_rank(shape):
     x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)

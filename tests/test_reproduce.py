@@ -245,6 +245,7 @@ def _short_tiny(folder):
     return Experiment("tiny", "tiny", str(folder / "short_tiny.py"), scale_variants("", "", ""))
 
 
+@pytest.mark.slow
 def test_a_damaged_finished_run_is_resumed_not_reused(tmp_path):
     from resconv_jax import reproduce
 

@@ -83,6 +83,7 @@ def test_the_trainer_writes_no_figure_and_the_experiment_report_does(tmp_path):
         lock.release()
 
 
+@pytest.mark.slow
 def test_sweep_equals_runs_one_at_a_time(tmp_path):
     steps = {"train.num_steps": 20}
     train.run(tiny(**steps), str(tmp_path / "sweep"))
@@ -93,6 +94,7 @@ def test_sweep_equals_runs_one_at_a_time(tmp_path):
         np.testing.assert_allclose(losses_by_run(workdir)[0], swept[run], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_eight_devices_equal_one_device(tmp_path):
     common = {"train.num_steps": 20, "sweep.beta": (0.0, 1.0)}
     train.run(tiny(**common, **{"mesh.sweep": 2, "mesh.data": 4}), str(tmp_path / "eight"))
@@ -111,6 +113,7 @@ def test_runs_stepped_a_chunk_at_a_time_equal_runs_stepped_together(tmp_path):
         np.testing.assert_allclose(chunked[run], together[run], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_automatic_chunking_on_one_device_when_the_step_outgrows_the_cache(
     tmp_path, monkeypatch, capsys
 ):

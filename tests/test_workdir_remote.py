@@ -91,6 +91,7 @@ def remote_events(store, prefix: str) -> list[bytes]:
     return [remote(store, n) for n in store.names(BUCKET, f"{prefix}/tensorboard/")]
 
 
+@pytest.mark.slow
 def test_a_run_and_its_report_write_the_same_files_locally_and_on_gcs(tmp_path, gcs, capsys):
     local = tmp_path / "local"
     experiments.run(tiny(), str(local))
@@ -114,6 +115,7 @@ def test_a_run_and_its_report_write_the_same_files_locally_and_on_gcs(tmp_path, 
     assert "per-β table" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_resume_on_gcs_continues_exactly(gcs, capsys):
     experiments.run(tiny(**{"train.num_steps": 40}), f"gs://{BUCKET}/straight")
     reference = remote(gcs, "straight/metrics.jsonl")
@@ -127,6 +129,7 @@ def test_a_resume_on_gcs_continues_exactly(gcs, capsys):
     assert events == scalars(remote_events(gcs, "straight"))
 
 
+@pytest.mark.slow
 def test_a_run_killed_between_checkpoints_has_the_lines_before_the_last_and_resumes(gcs, capsys):
     train.run(tiny(**{"train.num_steps": 40}), f"gs://{BUCKET}/straight")
     reference = remote(gcs, "straight/metrics.jsonl").decode().splitlines(keepends=True)
@@ -151,6 +154,7 @@ def test_a_run_killed_between_checkpoints_has_the_lines_before_the_last_and_resu
     assert remote(gcs, "killed/metrics.jsonl") == "".join(reference).encode()
 
 
+@pytest.mark.slow
 def test_a_failed_metrics_write_on_gcs_is_one_line_and_resumable(gcs):
     train.run(tiny(**{"train.num_steps": 40}), f"gs://{BUCKET}/straight")
     reference = remote(gcs, "straight/metrics.jsonl")
@@ -217,6 +221,7 @@ def test_a_gcs_lock_of_another_host_is_refused(gcs):
     assert gcs.names(BUCKET, "w/") == ["w/.lock"]
 
 
+@pytest.mark.slow
 def test_a_depth_sweep_on_gcs_writes_what_a_local_one_does(tmp_path, gcs):
     overrides = {"sweep.num_layers": (1, 2), "train.num_steps": 10, "optim.lr": 1e-3}
     experiments.run(tiny(**overrides), str(tmp_path))
@@ -251,6 +256,7 @@ def test_an_s3_workdir_is_refused_for_training_in_one_line(tmp_path):
         train.run(tiny(), "s3://b/run")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("gcsfs") is not None, reason="gcsfs is installed")
 def test_a_gcs_workdir_without_gcsfs_is_one_line_status_2():
     with pytest.raises(ConfigError, match="cannot reach it .*gcsfs"):

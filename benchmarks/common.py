@@ -25,7 +25,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from resconv_jax.config_defaults import base_config, load_config_file  # noqa: E402
-from resconv_jax.data.synthetic import make_synthetic  # noqa: E402
+from resconv_jax.data import synthetic  # noqa: E402
 from resconv_jax.models import RunSettings, transformer  # noqa: E402
 from resconv_jax.step import init_opt_state, make_optimizer, make_step_functions  # noqa: E402
 
@@ -85,7 +85,7 @@ def make_data(size: Size, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     c = base_config().data
     with c.unlocked():
         c.num_samples, c.seq_len, c.dim, c.out_dim, c.seed = size.P, size.M, size.d, size.d_y, seed
-    dataset = make_synthetic(c, model_cfg=None)  # Gaussian targets need no model
+    dataset = synthetic.load(c)
     return dataset.x_train, dataset.y_train
 
 

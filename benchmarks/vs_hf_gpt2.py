@@ -109,7 +109,7 @@ def build_jax(config, dataset: Dataset) -> common.Runs:
     params = model.init_runs([run.seed for run in runs])
     lrs = jnp.asarray([run.lr for run in runs], jnp.float32)
     state = {"params": params, "opt_state": init_opt_state(optimizer, params, lrs)}
-    hp = {k: jnp.asarray(v) for k, v in run_settings(runs).items()}
+    hp = jax.tree.map(jnp.asarray, run_settings(runs))
     x = {k: jnp.asarray(v) for k, v in dataset.x_train.items()}
     params0 = jax.tree.map(lambda a: np.array(a[0]), params)
     return common.Runs(fns, state, hp, x, jnp.asarray(dataset.y_train), model.graphdef, params0)

@@ -89,7 +89,6 @@ def _losses(workdir) -> list[tuple]:
     return [(line["step"], line["run"], line["loss"], line.get("grad_norm")) for line in lines]
 
 
-@pytest.mark.slow
 def test_a_new_model_is_one_file_trained_by_name_through_main(
     paper_copy, tmp_path, capsys, monkeypatch
 ):
@@ -100,7 +99,7 @@ def test_a_new_model_is_one_file_trained_by_name_through_main(
     copy_args = [f"--config.model.name={COPY}", *own, f"--workdir={tmp_path / 'copy'}"]
     _train_through_main(["main", *common, *copy_args], monkeypatch)
     reference = load_config_file(TINY, **{"train.num_steps": 20})  # the paper's model
-    experiments.run(reference, str(tmp_path / "paper"))
+    experiments.run_task(reference, str(tmp_path / "paper"))
     copy, paper = _losses(tmp_path / "copy"), _losses(tmp_path / "paper")
     assert len(copy) == 3 * 5 and copy == paper  # 3 runs, steps 0, 5, ..., 20: the same numbers
     saved = json.loads((tmp_path / "copy" / "config.json").read_text())

@@ -27,7 +27,7 @@ def without(records: list[dict], *keys: str) -> list[dict]:
 
 @pytest.mark.slow
 def test_a_depth_sweep_equals_the_depths_run_one_at_a_time(tmp_path, capsys):
-    summaries = experiments.run(tiny(**{"sweep.num_layers": (1, 2)}), str(tmp_path / "sweep"))
+    summaries = experiments.run_task(tiny(**{"sweep.num_layers": (1, 2)}), str(tmp_path / "sweep"))
     assert [(s["run"], s["num_layers"]) for s in summaries] == [(r, 1 + r // 3) for r in range(6)]
     merged = read_metrics(str(tmp_path / "sweep"))
     assert {r["num_layers"] for r in merged} == {1, 2}
@@ -64,7 +64,7 @@ def test_a_depth_sweep_refused_in_its_first_group_leaves_no_workdir(tmp_path, mo
 @pytest.mark.slow
 def test_a_width_sweep_equals_the_widths_run_one_at_a_time(tmp_path):
     sweep = tiny(**{"sweep.dim": (16, 32), "sweep.beta": (0.0, 1.0)})
-    summaries = experiments.run(sweep, str(tmp_path / "sweep"))
+    summaries = experiments.run_task(sweep, str(tmp_path / "sweep"))
     assert [(s["run"], s["dim"]) for s in summaries] == [(0, 16), (1, 16), (2, 32), (3, 32)]
     assert sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.name.startswith("dim_")) == [
         "dim_16",

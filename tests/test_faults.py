@@ -392,3 +392,19 @@ def test_every_config_file_refuses_an_unknown_variant(spec, expected):
     path, arg = spec.split(":")
     with pytest.raises(ValueError, match=re.escape(expected)):
         load_config_file(os.path.join(CONFIGS, path), arg)
+
+
+def test_why_unfinished_names_what_a_run_lacks(tmp_path):
+    """A finished, intact run is reusable (None); another config or a torn summary.json give
+    their reason in a few words."""
+    from resconv_jax.finished import why_unfinished
+
+    short = {"train.num_steps": 10, "train.checkpoint_every": 10, "train.print_every": 10,
+             "sweep.beta": (0.0, 1.0), "train.async_checkpoints": False}  # fmt: skip
+    config = load_config_file(TINY, **short)
+    train.run(config, str(tmp_path))
+    assert why_unfinished(config, str(tmp_path)) is None
+    longer = load_config_file(TINY, **(short | {"train.num_steps": 20}))
+    assert why_unfinished(longer, str(tmp_path)) == "config.json holds another config"
+    (tmp_path / "summary.json").write_text("{garbage")
+    assert "summary.json" in why_unfinished(config, str(tmp_path))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -208,6 +209,25 @@ def test_a_mesh_that_leaves_devices_out_is_refused_in_one_line_per_process(tmp_p
         and "see process 0's error line" in errors[1][0]
     ), result.stderr
     assert not workdir.exists()
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        ((None, 2, None), "--coordinator_address, --process_id missing"),
+        (("127.0.0.1:1234", 2, 2), "--process_id=2 --num_processes=2: need 0 <= process_id <"),
+        (("127.0.0.1", 2, 0), "--coordinator_address=127.0.0.1: expected HOST:PORT"),
+    ],
+)
+def test_the_launch_flags_are_checked_before_anything_starts(flags, expected):
+    from resconv_jax.errors import ConfigError
+    from resconv_jax.runtime import multihost
+
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        multihost.resolve_launch(*flags)
+    launch = multihost.resolve_launch("127.0.0.1:1234", 2, 1, heartbeat_timeout_seconds=10)
+    assert launch.multi_process and (launch.num_processes, launch.process_id) == (2, 1)
+    assert multihost._is_loopback("127.0.0.1") and not multihost._is_loopback("10.1.2.3")
 
 
 def test_incomplete_multi_process_flags_are_one_line(tmp_path):

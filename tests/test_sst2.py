@@ -294,7 +294,7 @@ def test_sst2_config_trains_a_tiny_random_gpt2(tmp_path):
     )
     with config.unlocked():
         config.model.gpt2.shape.update(n_embd=16, n_head=2, n_layer=3, n_positions=16)
-    summaries = experiments.run(config, str(tmp_path))
+    summaries = experiments.run_task(config, str(tmp_path))
     assert [(s["num_layers"], s["beta_attn"]) for s in summaries] == [
         (1, 0.0),
         (1, 1.0),

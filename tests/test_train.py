@@ -212,7 +212,7 @@ def test_resume_refuses_a_different_config(tmp_path):
 def test_short_jena_run_writes_figures_and_table(tmp_path):
     jena = os.path.join(os.path.dirname(TINY), "jena.py")
     small = {"sweep.seed": (0,), "data.num_train": 32, "train.log_every": 5}
-    experiments.run(load_config_file(jena, **small, **{"train.num_steps": 20}), str(tmp_path))
+    experiments.run_task(load_config_file(jena, **small, **{"train.num_steps": 20}), str(tmp_path))
     for name in ("loss_by_beta.png", "sigma_by_beta.png", "training.png", "beta_table.csv"):
         assert (tmp_path / name).stat().st_size > 0, name
     rows = (tmp_path / "beta_table.csv").read_text().splitlines()

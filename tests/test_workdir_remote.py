@@ -94,8 +94,8 @@ def remote_events(store, prefix: str) -> list[bytes]:
 @pytest.mark.slow
 def test_a_run_and_its_report_write_the_same_files_locally_and_on_gcs(tmp_path, gcs, capsys):
     local = tmp_path / "local"
-    experiments.run(tiny(), str(local))
-    experiments.run(tiny(), f"gs://{BUCKET}/run")
+    experiments.run_task(tiny(), str(local))
+    experiments.run_task(tiny(), f"gs://{BUCKET}/run")
     names = gcs.names(BUCKET, "run/")
     top = {n.split("/")[1] for n in names}
     assert top == {p.name for p in local.iterdir()} - {".lock"}  # the remote lock is deleted
@@ -117,10 +117,10 @@ def test_a_run_and_its_report_write_the_same_files_locally_and_on_gcs(tmp_path, 
 
 @pytest.mark.slow
 def test_a_resume_on_gcs_continues_exactly(gcs, capsys):
-    experiments.run(tiny(**{"train.num_steps": 40}), f"gs://{BUCKET}/straight")
+    experiments.run_task(tiny(**{"train.num_steps": 40}), f"gs://{BUCKET}/straight")
     reference = remote(gcs, "straight/metrics.jsonl")
     train.run(tiny(), f"gs://{BUCKET}/resumed")  # 20 steps, then extended to 40
-    experiments.run(tiny(**{"train.num_steps": 40}), f"gs://{BUCKET}/resumed")
+    experiments.run_task(tiny(**{"train.num_steps": 40}), f"gs://{BUCKET}/resumed")
     assert "resuming from step 20" in capsys.readouterr().out
     assert remote(gcs, "resumed/metrics.jsonl") == reference
     assert remote(gcs, "resumed/beta_table.csv") == remote(gcs, "straight/beta_table.csv")
@@ -224,8 +224,8 @@ def test_a_gcs_lock_of_another_host_is_refused(gcs):
 @pytest.mark.slow
 def test_a_depth_sweep_on_gcs_writes_what_a_local_one_does(tmp_path, gcs):
     overrides = {"sweep.num_layers": (1, 2), "train.num_steps": 10, "optim.lr": 1e-3}
-    experiments.run(tiny(**overrides), str(tmp_path))
-    experiments.run(tiny(**overrides), f"gs://{BUCKET}/sweep")
+    experiments.run_task(tiny(**overrides), str(tmp_path))
+    experiments.run_task(tiny(**overrides), f"gs://{BUCKET}/sweep")
     names = ("metrics.jsonl", "summary.json", "layers_2/metrics.jsonl", "layers_2/beta_table.csv")
     for name in names:
         assert remote(gcs, f"sweep/{name}") == (tmp_path / name).read_bytes(), name

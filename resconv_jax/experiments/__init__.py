@@ -66,7 +66,7 @@ def experiment_list() -> tuple:
     return tuple(sorted(records, key=lambda record: record.rank))
 
 
-def run(config, workdir: str) -> list[dict]:
+def run_task(config, workdir: str) -> list[dict]:
     """Runs `config.task` in `workdir` and prints its report's tables (process 0); returns the
     per-run summaries. Raises what the task raises (`train.run`: see there), with nothing
     reported."""

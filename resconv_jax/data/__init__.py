@@ -15,11 +15,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-import pkgutil
 from types import ModuleType
 
 import jax
 import numpy as np
+
+from resconv_jax.by_name import modules_providing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,16 +64,7 @@ class Dataset:
 @functools.cache
 def data_names() -> tuple[str, ...]:
     """The data sets that exist: the modules of this package with `default_config` and `load`."""
-    names = []
-    for info in pkgutil.iter_modules(__path__):
-        if info.ispkg or info.name.startswith("_"):
-            continue
-        module = importlib.import_module(f"{__name__}.{info.name}")
-        if callable(getattr(module, "default_config", None)) and callable(
-            getattr(module, "load", None)
-        ):
-            names.append(info.name)
-    return tuple(sorted(names))
+    return modules_providing(__name__, __path__, ("default_config", "load"))
 
 
 def data_module(name: str) -> ModuleType:

@@ -24,27 +24,16 @@ from types import ModuleType
 
 import jax
 
+from resconv_jax.by_name import modules_providing, provides
 from resconv_jax.errors import ConfigError
 
 _TASK_FUNCTIONS = ("run", "report", "why_unfinished", "describe_sizes")
 
 
-def _modules() -> list[ModuleType]:
-    return [
-        importlib.import_module(f"{__name__}.{info.name}")
-        for info in pkgutil.iter_modules(__path__)
-        if not info.ispkg and not info.name.startswith("_")
-    ]
-
-
-def _is_task(module: ModuleType) -> bool:
-    return all(callable(getattr(module, name, None)) for name in _TASK_FUNCTIONS)
-
-
 @functools.cache
 def task_names() -> tuple[str, ...]:
     """The tasks that exist: the modules here with every function of a task."""
-    return tuple(sorted(m.__name__.rpartition(".")[2] for m in _modules() if _is_task(m)))
+    return modules_providing(__name__, __path__, _TASK_FUNCTIONS)
 
 
 def task_module(name: str) -> ModuleType:
@@ -53,7 +42,7 @@ def task_module(name: str) -> ModuleType:
         module = importlib.import_module(f"{__name__}.{name}")
     except ImportError:
         module = None
-    if module is None or not _is_task(module):
+    if module is None or not provides(module, _TASK_FUNCTIONS):
         raise ConfigError(f"config.task={name!r}: expected one of {', '.join(task_names())}")
     return module
 
@@ -62,7 +51,12 @@ def task_module(name: str) -> ModuleType:
 def experiment_list() -> tuple:
     """Every experiment of every module here (`EXPERIMENTS`), in the order of the claims table:
     each at its first claim's place."""
-    records = [record for module in _modules() for record in getattr(module, "EXPERIMENTS", ())]
+    modules = [
+        importlib.import_module(f"{__name__}.{info.name}")
+        for info in pkgutil.iter_modules(__path__)
+        if not info.name.startswith("_")
+    ]
+    records = [record for module in modules for record in getattr(module, "EXPERIMENTS", ())]
     return tuple(sorted(records, key=lambda record: record.rank))
 
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import functools
 import importlib
-import pkgutil
 from types import ModuleType
 
+from resconv_jax.by_name import modules_providing
 from resconv_jax.models.interface import Model, RunSettings
 
 __all__ = ["Model", "RunSettings", "build_model", "model_module", "model_names"]
@@ -26,16 +26,7 @@ __all__ = ["Model", "RunSettings", "build_model", "model_module", "model_names"]
 @functools.cache
 def model_names() -> tuple[str, ...]:
     """The models that exist: the modules of this package with `default_config` and `build`."""
-    names = []
-    for info in pkgutil.iter_modules(__path__):
-        if info.name.startswith("_"):
-            continue
-        module = importlib.import_module(f"{__name__}.{info.name}")
-        if callable(getattr(module, "default_config", None)) and callable(
-            getattr(module, "build", None)
-        ):
-            names.append(info.name)
-    return tuple(sorted(names))
+    return modules_providing(__name__, __path__, ("default_config", "build"))
 
 
 def model_module(name: str) -> ModuleType:

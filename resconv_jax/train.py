@@ -369,7 +369,7 @@ class _Parts:
 def _parts(config, dataset, runs) -> _Parts:
     model = build_model(config.model, dataset)
     if dataset.teacher_seed is not None:
-        dataset = dataset.with_teacher_targets(model)
+        dataset = dataset.with_teacher_targets(model, RunSettings())  # the teacher's β = 1
     mesh = sharding.make_mesh(len(runs), dataset.num_train, config.mesh)
     check_runs_per_chunk(config.train.runs_per_chunk, mesh)
     one_run_params = model.init(runs[0].seed)

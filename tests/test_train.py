@@ -235,3 +235,17 @@ def test_runs_json_records_the_expanded_sweep_with_the_step_sizes_used(tmp_path)
     first = {r["run"]: r["lr"] for r in read_metrics(str(tmp_path)) if r["step"] == 0}
     assert [r["lr"] for r in runs] == [first[i] for i in range(3)]
     assert len(set(first.values())) == 3  # η = 1/λ_max(K) of each run, not optim.lr
+
+
+def test_teacher_targets_come_from_a_random_model_of_the_trained_architecture():
+    from resconv_jax.data import load_dataset
+    from resconv_jax.models import RunSettings, build_model
+
+    config = tiny(**{"data.target": "teacher"})
+    dataset = load_dataset(config)
+    assert dataset.teacher_seed == config.data.teacher_seed == 1
+    model = build_model(config.model, dataset)
+    filled = dataset.with_teacher_targets(model, RunSettings())
+    teacher = np.asarray(model.apply(model.init(1), dataset.x_train, RunSettings()))
+    np.testing.assert_allclose(filled.y_train, teacher / teacher.std(), rtol=1e-6)
+    assert filled.teacher_seed is None and abs(float(filled.y_train.std()) - 1) < 1e-6

@@ -51,13 +51,11 @@ class Dataset:
         """P_val, the validation samples (0 without a validation set)."""
         return 0 if self.y_val is None else int(self.y_val.shape[0])
 
-    def with_teacher_targets(self, model) -> Dataset:
+    def with_teacher_targets(self, model, settings) -> Dataset:
         """Targets Y_p = F_teacher(X_p) of `model` (a `models.Model`) at parameters drawn from
-        `teacher_seed`, both residuals at 1, rescaled to unit variance."""
-        from resconv_jax.models.interface import RunSettings
-
+        `teacher_seed` and its `settings` (`models.RunSettings`), rescaled to unit variance."""
         params = model.init(self.teacher_seed)
-        y = np.asarray(jax.jit(lambda p, x: model.apply(p, x, RunSettings()))(params, self.x_train))
+        y = np.asarray(jax.jit(lambda p, x: model.apply(p, x, settings))(params, self.x_train))
         return dataclasses.replace(self, y_train=y / y.std(), teacher_seed=None)
 
 

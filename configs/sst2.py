@@ -19,7 +19,9 @@ tokens only.
 model; its output says so) of width 64, 4 heads, 10 blocks, on P = 128 sentences of at most 32
 tokens, for 2 CPU cores. `:small` (for `reproduce --scale=small`, with either weights): P = 64
 sentences of at most 16 tokens, 100 steps; `:tiny` (a smoke test): P = 16 of at most 8 tokens,
-32 dev sentences, L ∈ {1, 2}, 10 steps.
+32 dev sentences, L ∈ {1, 2}, 10 steps. `:full`: all 67,349 GLUE train sentences (packaged,
+`data.source="bundled_full"`); a full-batch step over all of them needs microbatching, which
+the trainer does not do yet (the memory check refuses it on one device).
 """
 
 from resconv_jax.config_defaults import base_config, variants
@@ -27,7 +29,7 @@ from resconv_jax.data import sst2
 
 
 def get_config(arg=None):
-    chosen = variants(arg, "configs/sst2.py", ("random_small", "small", "tiny"))
+    chosen = variants(arg, "configs/sst2.py", ("random_small", "small", "tiny", "full"))
     random_small = "random_small" in chosen
     config = base_config()
     config.data = sst2.default_config()  # source, path, max_tokens T, num_train P, ... (sst2.py)
@@ -52,6 +54,9 @@ def get_config(arg=None):
         config.model.gpt2.shape.n_positions = 64
         config.data.num_train = 128
         config.data.max_tokens = 32
+    if "full" in chosen:  # every train sentence of GLUE SST-2 (packaged)
+        config.data.source = "bundled_full"
+        config.data.num_train = -1  # P = 67,349
     if "small" in chosen:
         config.data.num_train = 64
         config.data.max_tokens = 16

@@ -1,13 +1,14 @@
-"""Checks the bundled data against the full public files it was cut from: the SST-2 sample is
-the head of GLUE's train.tsv and the whole dev.tsv, the tokenizer files are GPT-2's, byte for
-byte (see resconv_jax/data/bundled/*_PROVENANCE.md).
+"""Checks the bundled data against the full public files it was cut from: the SST-2 files are
+GLUE's train.tsv (whole, and its head) and dev.tsv, the Jena files the 2009-2016 hourly record
+(whole, and its first two years), the tokenizer files GPT-2's, byte for byte (see
+resconv_jax/data/bundled/*_PROVENANCE.md).
 
     python docs/verify_bundled_data.py --shared=DIR
 
-DIR holds `sst2/glue/{train,dev}.tsv.gz` and `gpt2_tokenizer/{vocab.json,merges.txt}` (this
-project's CI copy, or GLUE's SST-2.zip and GPT-2's tokenizer files laid out so). Prints one line
-per check; exit status 1 when one fails, 2 when a file is missing. The tests never read outside
-the repository, so this is a separate command.
+DIR holds `sst2/glue/{train,dev}.tsv.gz`, `jena/jena_hourly_6vars.csv.gz` and
+`gpt2_tokenizer/{vocab.json,merges.txt}` (this project's CI copy, laid out as in its README).
+Prints one line per check; exit status 1 when one fails, 2 when a file is missing. The tests
+never read outside the repository, so this is a separate command.
 """
 
 from __future__ import annotations
@@ -20,7 +21,17 @@ from importlib import resources
 from pathlib import Path
 
 from resconv_jax.data import sst2
-from resconv_jax.data.formats.sst2_tsv import BUNDLED_DEV, BUNDLED_TRAIN, bundled_bytes
+from resconv_jax.data.formats.jena_csv import BUNDLED_FULL_NAME, BUNDLED_NAME
+from resconv_jax.data.formats.sst2_tsv import (
+    BUNDLED_DEV,
+    BUNDLED_FULL_TRAIN,
+    BUNDLED_TRAIN,
+    bundled_bytes,
+)
+
+
+def _stored(name: str) -> bytes:
+    return (resources.files("resconv_jax.data") / "bundled" / name).read_bytes()
 
 
 def checks(shared: Path) -> list[tuple[str, bool]]:
@@ -36,6 +47,22 @@ def checks(shared: Path) -> list[tuple[str, bool]]:
          bundled_bytes(BUNDLED_TRAIN) == b"".join(train.splitlines(keepends=True)[:4001])),
         (f"{BUNDLED_DEV} is dev.tsv", bundled_bytes(BUNDLED_DEV) == dev),
     ]  # fmt: skip
+    results.append(
+        (
+            f"{BUNDLED_FULL_TRAIN} is GLUE's train.tsv.gz, byte for byte",
+            _stored(BUNDLED_FULL_TRAIN) == (glue / "train.tsv.gz").read_bytes(),
+        )
+    )
+    jena = (shared / "jena" / "jena_hourly_6vars.csv.gz").read_bytes()
+    results.append((f"{BUNDLED_FULL_NAME} is jena_hourly_6vars.csv.gz, byte for byte",
+                    _stored(BUNDLED_FULL_NAME) == jena))  # fmt: skip
+    results.append(
+        (
+            f"{BUNDLED_NAME} is the first 17,521 lines of it",
+            gzip.decompress(_stored(BUNDLED_NAME))
+            == b"".join(gzip.decompress(jena).splitlines(keepends=True)[:17521]),
+        )
+    )
     for name in ("vocab.json", "merges.txt"):
         same = bundled_bytes(f"gpt2_{name}.gz") == (shared / "gpt2_tokenizer" / name).read_bytes()
         results.append((f"gpt2_{name}.gz is GPT-2's {name}", same))

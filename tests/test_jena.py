@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import time
 import zipfile
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,8 @@ import pytest
 
 from resconv_jax.data import jena
 from resconv_jax.data.formats.jena_csv import (
+    BUNDLED_FULL_NAME,
+    BUNDLED_SHA256,
     JENA_COLUMNS,
     file_sha256,
     format_timestamp,
@@ -306,3 +309,27 @@ def test_download_cache_hash_verification(tmp_path: Path, monkeypatch, hourly):
     cfg.sha256 = ""
     monkeypatch.setattr(jena, "JENA_CSV_GIT_BLOB", git_blob_sha1(content))
     assert load_jena(cfg).x_train.shape == (5, 4, 3)
+
+
+def test_the_full_bundled_record_gives_every_window_and_is_checked():
+    cfg = jena.default_config()
+    cfg.update(source="bundled_full", num_train=-1)
+    s = load_jena(cfg)
+    assert (s.x_train.shape, s.x_val.shape, s.x_test.shape) == ((2041, 24, 6), (582, 24, 6),
+                                                                (290, 24, 6))  # fmt: skip
+    assert "jena_hourly_2009_2016.csv.gz: hourly records; 70038 hourly rows" in s.source
+    notes = (resources.files("resconv_jax.data") / "bundled" / "JENA_PROVENANCE.md").read_text()
+    for name, sha in BUNDLED_SHA256.items():
+        assert name in notes and sha in notes, name
+
+
+def test_a_damaged_bundled_record_is_refused_in_one_line(monkeypatch):
+    from resconv_jax.data.formats import jena_csv
+
+    good = jena_csv.bundled_csv_bytes(BUNDLED_FULL_NAME)
+    damaged = gzip.compress(gzip.decompress(good).replace(b"996.52", b"996.53", 1))
+    monkeypatch.setattr(jena_csv, "bundled_csv_bytes", lambda name=BUNDLED_FULL_NAME: damaged)
+    cfg = jena.default_config()
+    cfg.source = "bundled_full"
+    with pytest.raises(JenaDataError, match=r"^jena_hourly_2009_2016\.csv\.gz \(bundled\): sha256"):
+        load_jena(cfg)

@@ -131,6 +131,16 @@ def test_bundled_files_match_their_provenance():
         assert stored in notes, name
 
 
+def test_the_full_bundled_train_split_is_every_glue_row():
+    from resconv_jax.data.formats.sst2_tsv import BUNDLED_FULL_TRAIN, bundled_tables
+
+    train, dev = bundled_tables(full=True)
+    assert (len(train), len(dev)) == (67349, 872) and train.name.startswith(BUNDLED_FULL_TRAIN)
+    assert np.bincount(train.labels).tolist() == [29780, 37569]
+    head, _ = bundled_tables()
+    assert train.sentences[:4000] == head.sentences  # the default sample is its head
+
+
 def test_seeded_choice_is_deterministic_and_differs_across_seeds(bundled):
     a, b = select_train_rows(4000, 200, 3, "x"), select_train_rows(4000, 200, 3, "x")
     assert np.array_equal(a, b) and len(set(a.tolist())) == 200

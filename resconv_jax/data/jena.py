@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import gzip
 import http.client
 import os
 import urllib.error
@@ -31,13 +30,14 @@ import numpy as np
 from resconv_jax.data import Dataset
 from resconv_jax.data.formats.fields import int_field
 from resconv_jax.data.formats.jena_csv import (
+    BUNDLED_FULL_NAME,
     BUNDLED_NAME,
     JENA_COLUMNS,
     TARGET_COLUMN,
     WIND_COLUMNS,
     JenaDataError,
     JenaTable,
-    bundled_csv_bytes,
+    bundled_csv,
     check_order,
     check_sha256,
     format_timestamp,
@@ -64,7 +64,8 @@ JENA_ZIP_NAME = "jena_climate_2009_2016.csv.zip"
 # git blob id of the canonical CSV inside JENA_URL's zip (same in several unrelated repos).
 JENA_CSV_GIT_BLOB = "3dc17139ed8afe4f693b3b88cbdd6e3a69e2de0c"
 DOWNLOAD_TIMEOUT_S = 15.0
-SOURCES = ("bundled", "file", "download", "tfds")
+SOURCES = ("bundled", "bundled_full", "file", "download", "tfds")
+BUNDLED = {"bundled": BUNDLED_NAME, "bundled_full": BUNDLED_FULL_NAME}
 _WIND_SENTINEL = -9990.0  # wind speeds at or below this are the station's -9999 error code
 _FLAT_RTOL = 1e-6  # train std <= _FLAT_RTOL * (|mean| + 1): (near-)constant, not standardized
 _MAX_ABS_Z = 1e3  # a standardized val/test value beyond this means the train std is far too small
@@ -79,7 +80,9 @@ def default_config() -> ml_collections.ConfigDict:
     lift); `load_jena`'s fields."""
     cfg = ml_collections.ConfigDict()
     cfg.name = NAME
-    cfg.source = "bundled"  # "bundled" (2009-2010 sample, packaged) | "file" | "download" | "tfds"
+    # "bundled" (2009-2010 hourly, packaged) | "bundled_full" (2009-2016 hourly, packaged) | "file"
+    # | "download" | "tfds"
+    cfg.source = "bundled"
     cfg.path = ""  # CSV/.csv.gz/.zip for source=file; for tfds: CSV to prepare from ("" = bundled)
     cfg.cache_dir = ""  # download cache and default tfds data_dir ("" = ~/.cache/resconv_jax)
     cfg.sha256 = ""  # if set: expected sha256 of the zip / the file (download: else git blob id)
@@ -185,9 +188,9 @@ def download_zip(cache_dir: Path) -> Path:
 def load_table(cfg: Any) -> tuple[JenaTable, str]:
     """Raw records from the configured source, and a label for `JenaSplits.source`."""
     c = _check_config(cfg)
-    if c["source"] == "bundled":
-        content = gzip.decompress(bundled_csv_bytes())
-        return parse_jena_csv(content, f"{BUNDLED_NAME} (bundled)"), f"bundled {BUNDLED_NAME}"
+    if c["source"] in BUNDLED:
+        name = BUNDLED[c["source"]]
+        return parse_jena_csv(bundled_csv(name), f"{name} (bundled)"), f"bundled {name}"
     if c["source"] == "file":
         content, name = read_csv_bytes(c["path"])
         if c["sha256"]:
@@ -445,7 +448,7 @@ def load_jena(cfg: Any) -> JenaSplits:
 def describe_sizes(config) -> str:
     """One line for the sizes table: P windows of M hours, of width d."""
     data = config.data
-    d = data.lift_dim or len(data.features) or ("6" if data.source == "bundled" else "all")
+    d = data.lift_dim or len(data.features) or ("6" if data.source in BUNDLED else "all")
     return f"P={data.num_train} Jena windows of M={data.seq_len} h, d={d}"
 
 

@@ -35,6 +35,7 @@ from resconv_jax.data import Dataset
 from resconv_jax.data.formats.fields import int_field
 from resconv_jax.data.formats.sst2_tsv import (
     BUNDLED_DEV,
+    BUNDLED_FULL_TRAIN,
     BUNDLED_TRAIN,
     SHOWN,
     SST2Table,
@@ -72,13 +73,14 @@ __all__ = [
 NAME = __name__.rpartition(".")[2]
 EOS_ID = 50256  # GPT-2's <|endoftext|>
 PAD_ID = EOS_ID  # padding id; the mask, not the id, marks padding
-SOURCES = ("bundled", "file", "tfds")
+SOURCES = ("bundled", "bundled_full", "file", "tfds")
 BUNDLED_VOCAB = "gpt2_vocab.json.gz"
 BUNDLED_MERGES = "gpt2_merges.txt.gz"
 # sha256 of the decompressed bundled files (see the provenance files beside them).
 BUNDLED_SHA256 = {
     BUNDLED_TRAIN: "ff2a277b0ea2b260df5842ab0c027c2b82fdc1dffacb8da0ca3f30781eb90564",
     BUNDLED_DEV: "54a9c12c77e402fc14d6a66a506f24d999f596b0176eb777c972cccc2f9cc4b0",
+    BUNDLED_FULL_TRAIN: "48eac26399f8456935f81dd9e3a745c1430adb6c62e233ccfe22db4a0d15d1d1",
     BUNDLED_VOCAB: "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
     BUNDLED_MERGES: "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
 }
@@ -116,7 +118,9 @@ def default_config() -> ml_collections.ConfigDict:
     rows); `load_sst2`'s fields."""
     cfg = ml_collections.ConfigDict()
     cfg.name = NAME
-    cfg.source = "bundled"  # "bundled" (4000 train + 872 dev GLUE rows, packaged) | "file" | "tfds"
+    # "bundled" (4000 train + 872 dev GLUE rows, packaged) | "bundled_full" (all 67,349 train
+    # rows + dev, packaged) | "file" | "tfds"
+    cfg.source = "bundled"
     cfg.path = ""  # folder with train.tsv[.gz] and dev.tsv[.gz]; for tfds "" = the bundled sample
     cfg.tokenizer_dir = ""  # folder: tokenizer.json, or vocab.json + merges.txt; "" = bundled
     cfg.max_tokens = 64  # T: tokens kept per sentence (longer ones truncated); arrays are (P, T)
@@ -218,9 +222,14 @@ def select_train_rows(num_rows: int, num_train: int, seed: int, name: str) -> np
 def load_tables(cfg: Any) -> tuple[SST2Table, SST2Table, str]:
     """Train and dev rows from the configured source, and a label for the description."""
     c = _check_config(cfg)
-    if c["source"] == "bundled":
-        train, dev = bundled_tables()
-        return train, dev, f"bundled {BUNDLED_TRAIN} + {BUNDLED_DEV}"
+    if c["source"] in ("bundled", "bundled_full"):
+        full = c["source"] == "bundled_full"
+        train, dev = bundled_tables(full)
+        return (
+            train,
+            dev,
+            f"bundled {BUNDLED_FULL_TRAIN if full else BUNDLED_TRAIN} + {BUNDLED_DEV}",
+        )
     if c["source"] == "file":
         train, dev = file_tables(c["path"])
         return train, dev, f"file {train.name} + {dev.name}"

@@ -269,9 +269,27 @@ def format_timestamp(seconds: int | np.integer) -> str:
     return f"{iso[8:10]}.{iso[5:7]}.{iso[0:4]} {iso[11:19]}"
 
 
-BUNDLED_NAME = "jena_hourly_sample.csv.gz"
+BUNDLED_NAME = "jena_hourly_sample.csv.gz"  # 2009-2010, the default
+BUNDLED_FULL_NAME = "jena_hourly_2009_2016.csv.gz"  # every hourly record of 2009-2016
+# sha256 of the decompressed bundled files (see bundled/JENA_PROVENANCE.md).
+BUNDLED_SHA256 = {
+    BUNDLED_NAME: "0bf207bb2ba829eb67732bf6b3920606723ddd73d22d861b4d387ad57118cbef",
+    BUNDLED_FULL_NAME: "b3f13e48694038492e2a8294e7a53a3afe096b5ed292b058b7ab7053e13534c4",
+}
 
 
-def bundled_csv_bytes() -> bytes:
-    """The gzip bytes of the bundled hourly sample (see bundled/JENA_PROVENANCE.md)."""
-    return (resources.files("resconv_jax.data") / "bundled" / BUNDLED_NAME).read_bytes()
+def bundled_csv_bytes(name: str = BUNDLED_NAME) -> bytes:
+    """The gzip bytes of a bundled hourly record (see bundled/JENA_PROVENANCE.md)."""
+    return (resources.files("resconv_jax.data") / "bundled" / name).read_bytes()
+
+
+def bundled_csv(name: str = BUNDLED_NAME) -> bytes:
+    """The CSV text of a bundled hourly record, checked against its sha256 (JenaDataError for a
+    damaged install)."""
+    content = gzip.decompress(bundled_csv_bytes(name))
+    if (got := hashlib.sha256(content).hexdigest()) != BUNDLED_SHA256[name]:
+        raise JenaDataError(
+            f"{name} (bundled): sha256 {got} is not the packaged file's {BUNDLED_SHA256[name]}; "
+            "reinstall resconv_jax"
+        )
+    return content

@@ -18,6 +18,7 @@ HEADER = "sentence\tlabel"
 SPLIT_FILES = {"train": "train.tsv", "dev": "dev.tsv"}
 BUNDLED_TRAIN = "sst2_train_head4000.tsv.gz"
 BUNDLED_DEV = "sst2_dev.tsv.gz"
+BUNDLED_FULL_TRAIN = "sst2_train.tsv.gz"  # all 67,349 rows of GLUE's train.tsv
 SHOWN = 40  # characters of a bad field quoted in a message
 
 _in_file = functools.partial(in_file, SST2DataError)
@@ -125,11 +126,10 @@ def bundled_bytes(name: str) -> bytes:
     return gzip.decompress((resources.files("resconv_jax.data") / "bundled" / name).read_bytes())
 
 
-def bundled_tables() -> tuple[SST2Table, SST2Table]:
-    """The bundled train sample (4000 rows) and dev split (872 rows)."""
-    return tuple(
-        parse_sst2_tsv(bundled_bytes(n), f"{n} (bundled)") for n in (BUNDLED_TRAIN, BUNDLED_DEV)
-    )
+def bundled_tables(full: bool = False) -> tuple[SST2Table, SST2Table]:
+    """The bundled train sample (4000 rows; `full`: all 67,349) and dev split (872 rows)."""
+    train = BUNDLED_FULL_TRAIN if full else BUNDLED_TRAIN
+    return tuple(parse_sst2_tsv(bundled_bytes(n), f"{n} (bundled)") for n in (train, BUNDLED_DEV))
 
 
 def file_tables(folder: str | Path) -> tuple[SST2Table, SST2Table]:

@@ -27,6 +27,8 @@ Each β can be set on its own: `--config.sweep.beta="()" --config.sweep.beta_att
 test): 20 steps. `:full`: every 24-hour window of the packaged 2009-2016 hourly record
 (`data.source="bundled_full"`: P = 2041 train windows, 582 validation), η = 8e-7 (measured:
 2/λ_max(K) at initialization of seed 0 is 1.93e-6 at β = 1 and 5.9e-6 at β = 0 at this P).
+`:full,replication` is row 5a′ of the claims table (its rule: docs/protocol.md, section 5):
+seeds 3-12, 300 steps with every step's loss logged.
 """
 
 from resconv_jax.config_defaults import base_config, shorten, variants
@@ -34,7 +36,7 @@ from resconv_jax.data import jena
 
 
 def get_config(arg=None):
-    chosen = variants(arg, "configs/jena.py", ("small", "tiny", "full"))
+    chosen = variants(arg, "configs/jena.py", ("small", "tiny", "full", "replication"))
     config = base_config()
     config.data = jena.default_config()  # source, path, seq_len M, num_train P, ... (see jena.py)
     config.model.transformer.d_qk = 6  # query/key width (= d)
@@ -52,6 +54,10 @@ def get_config(arg=None):
         config.data.num_train = -1  # P = 2041 train windows
         # 2/λ_max(K) at init (seed 0) is 5.9e-6 (β = 0) down to 1.93e-6 (β = 1) at this P
         config.optim.lr = 8e-7
+    if "replication" in chosen:  # row 5a′ (docs/protocol.md): fresh seeds, the early window
+        config.sweep.seed = tuple(range(3, 13))
+        shorten(config, 300)
+        config.train.step_losses_until = 300
     for variant, steps in (("small", 300), ("tiny", 20)):
         if variant in chosen:
             shorten(config, steps)

@@ -449,7 +449,9 @@ def describe_sizes(config) -> str:
     """One line for the sizes table: P windows of M hours, of width d."""
     data = config.data
     d = data.lift_dim or len(data.features) or ("6" if data.source in BUNDLED else "all")
-    return f"P={data.num_train} Jena windows of M={data.seq_len} h, d={d}"
+    count = "all" if data.num_train == -1 else data.num_train
+    where = " of 2009–2016" if data.source == "bundled_full" else ""
+    return f"P={count} Jena windows{where} of M={data.seq_len} h, d={d}"
 
 
 def load(cfg: Any) -> Dataset:

@@ -292,7 +292,8 @@ def load_sst2(cfg: Any) -> SST2Splits:
 
 def describe_sizes(config) -> str:
     """One line for the sizes table: P sentences of at most T tokens."""
-    return f"P={config.data.num_train} SST-2 sentences of ≤ {config.data.max_tokens} tokens"
+    count = "all" if config.data.num_train == -1 else config.data.num_train
+    return f"P={count} SST-2 sentences of ≤ {config.data.max_tokens} tokens"
 
 
 def load(cfg: Any) -> Dataset:

@@ -22,7 +22,7 @@ from resconv_jax.runners import ChunkRunners
 from resconv_jax.runtime import signals
 from resconv_jax.runtime.checkpoint import Checkpointer
 from resconv_jax.runtime.divergence import diverged_message, diverging_runs
-from resconv_jax.runtime.metrics import progress_line
+from resconv_jax.runtime.metrics import format_duration, progress_line
 from resconv_jax.runtime.multihost import to_host
 
 
@@ -117,6 +117,7 @@ def run_loop(
                     "rerun the same command to resume"
                 )
             num = min(train.log_every, total - step)
+            chunk_start = time.perf_counter()
             evaluated = _evaluate(program, state["params"])
             params_at_step = state["params"]
             every = train.certificate_every
@@ -140,6 +141,8 @@ def run_loop(
             if diverging_runs(losses).size:
                 message = _diverged(train, program, checkpointer, writer, step, losses)
                 raise TrainingDiverged(message)
+            if step == start and step + num < total:  # the first chunk after compiling
+                print(_projection(num, time.perf_counter() - chunk_start, total - step), flush=True)
             step += num
             checkpointer.save(step, state, writer.checkpoint_meta(meta, step), force=step == total)
             if step % train.print_every == 0 or step == total:
@@ -162,6 +165,15 @@ def run_loop(
         checkpointer.wait()
     except WorkdirWriteError as error:
         raise WorkdirWriteError(f"{error}; {_resume_hint(checkpointer)}") from None
+
+
+def _projection(num: int, seconds: float, remaining: int) -> str:
+    """The line after the first chunk: its time, and the time all `remaining` steps of this
+    program would take at that rate (evaluation, probe and logging included)."""
+    return (
+        f"first {num} steps in {seconds:.2f} s: at that rate the {remaining} steps of this "
+        f"program take about {format_duration(seconds * remaining / num)}"
+    )
 
 
 def _evaluate(program: Program, params) -> dict[str, np.ndarray]:

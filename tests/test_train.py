@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import struct
 
 import jax
@@ -249,3 +250,10 @@ def test_teacher_targets_come_from_a_random_model_of_the_trained_architecture():
     teacher = np.asarray(model.apply(model.init(1), dataset.x_train, RunSettings()))
     np.testing.assert_allclose(filled.y_train, teacher / teacher.std(), rtol=1e-6)
     assert filled.teacher_seed is None and abs(float(filled.y_train.std()) - 1) < 1e-6
+
+
+def test_the_first_chunk_projects_the_programs_wall_time(tmp_path, capsys):
+    train.run(tiny(**{"train.num_steps": 20}), str(tmp_path))
+    out = capsys.readouterr().out
+    assert re.search(r"first 5 steps in \d+\.\d\d s: at that rate the 20 steps of this program "
+                     r"take about \d+s", out), out  # fmt: skip

@@ -4,7 +4,7 @@ claim, then each experiment's tables and figures, the machine, versions and wall
 
     python -m resconv_jax.reproduce --workdir=DIR [--scale=small|paper|tiny] [--readme=README.md]
 
-`small` took 7 minutes on 2 CPU cores (2026-12-01, from scratch); `paper` is the full protocol
+`small` takes about 12 minutes on 2 CPU cores (2026-12-01, from scratch); `paper` is the full protocol
 (a GPU or a pod); `tiny` is a smoke test whose numbers mean nothing. A finished experiment is
 reused, not rerun, only when its files pass the checks a resume makes (`finished.why_unfinished`:
 this scale's config, every run's line at every logged step up to the last, the checkpoint's

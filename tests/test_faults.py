@@ -382,7 +382,7 @@ def test_sizes_that_cannot_fit_are_refused_from_the_shapes(
     [
         ("sst2.py:bogus", "sst2.py: unknown variant 'bogus' (its variants: random_small, small,"),
         ("depth.py:small,bogus", "unknown variant 'bogus' (its variants: small, branches, tiny)"),
-        ("jena.py:full", "jena.py: unknown variant 'full' (its variants: small, tiny)"),
+        ("jena.py:whole", "jena.py: unknown variant 'whole' (its variants: small, tiny, full,"),
         ("rank_collapse.py:x", "rank_collapse.py: unknown variant 'x' (its variants: tiny)"),
         ("conditioning.py:smal", "unknown variant 'smal' (its variants: small, tiny)"),
         ("tiny.py:small", "tiny.py: unknown variant 'small' (it has no variants)"),

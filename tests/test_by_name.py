@@ -105,3 +105,80 @@ def test_a_new_model_is_one_file_trained_by_name_through_main(
     saved = json.loads((tmp_path / "copy" / "config.json").read_text())
     assert saved["model"]["name"] == COPY and saved["model"][COPY]["d_qk"] == 4
     assert "Transformer: 1 block(s), d=32, d_qk=4, d_h=16" in capsys.readouterr().out
+
+
+def test_every_experiment_record_loads_at_every_scale_and_claims_have_their_own_place():
+    from resconv_jax.experiments.record import SCALES
+
+    records = experiments.experiment_list()
+    assert [r.name for r in records][:3] == ["theory", "conditioning", "rank_collapse"]
+    ranks = [claim.rank for record in records for claim in record.claims]
+    assert len(ranks) == len(set(ranks)) == 9  # one row each: 1, 2, 3, cert., 4, 4b, 5a, 5a′, 5b
+    for record in records:
+        for scale in SCALES:
+            for each in (record, record.fallback):
+                if each is not None:
+                    config = each.load(scale)
+                    assert config.task in experiments.task_names(), (each.name, scale)
+
+
+def test_a_new_data_set_is_one_file_loaded_by_name(tmp_path, monkeypatch):
+    """data/synthetic.py copied under another name into the package's path: loaded by name, the
+    same arrays."""
+    folder = tmp_path / "more_data"
+    folder.mkdir()
+    shutil.copy(data.data_module("synthetic").__file__, folder / "gaussian_copy.py")
+    monkeypatch.setattr(data, "__path__", [*data.__path__, str(folder)])
+    data.data_names.cache_clear()
+    try:
+        assert "gaussian_copy" in data.data_names()
+        config = base_config()
+        with config.unlocked():
+            config.data = data.data_module("gaussian_copy").default_config()
+        assert config.data.name == "gaussian_copy"
+        validate_config(config)
+        copy, original = data.load_dataset(config), data.load_dataset(base_config())
+        assert (copy.x_train == original.x_train).all() and (copy.y_train == original.y_train).all()
+    finally:
+        data.data_names.cache_clear()
+        sys.modules.pop("resconv_jax.data.gaussian_copy", None)
+
+
+NEW_EXPERIMENT = """
+from resconv_jax.experiments.claims import Claim
+from resconv_jax.experiments.record import ClaimCheck, Experiment, scale_variants
+
+
+def my_claim(workdir):
+    return Claim("6. my claim", "the folder", "exists", value=str(workdir), verdict="holds")
+
+
+EXPERIMENTS = (
+    Experiment("mine", "My experiment", "tiny.py", scale_variants("", "", ""),
+               claims=(ClaimCheck(6, my_claim),)),
+)
+"""
+
+
+def test_a_new_claim_is_one_file_in_the_table(tmp_path, monkeypatch):
+    """An experiment module with one record and its claim, added to the package's path: reproduce
+    lists it after the others and its row comes from its folder."""
+    from resconv_jax.reproduce import Outcome, claims_table
+
+    folder = tmp_path / "more_experiments"
+    folder.mkdir()
+    (folder / "my_experiment.py").write_text(NEW_EXPERIMENT)
+    monkeypatch.setattr(experiments, "__path__", [*experiments.__path__, str(folder)])
+    experiments.experiment_list.cache_clear()
+    try:
+        mine = experiments.experiment_list()[-1]
+        assert mine.name == "mine" and mine.load("small").train.num_steps == 200
+        (row,) = claims_table([Outcome(mine, str(tmp_path / "mine"), "ran", 1.0, [])])
+        assert (row.claim, row.verdict, row.value) == (
+            "6. my claim",
+            "holds",
+            str(tmp_path / "mine"),
+        )
+    finally:
+        experiments.experiment_list.cache_clear()
+        sys.modules.pop("resconv_jax.experiments.my_experiment", None)

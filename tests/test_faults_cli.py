@@ -61,6 +61,7 @@ def test_bad_input_is_one_line_status_2_nothing_written(tmp_path, config_file, e
     assert not workdir.exists()
 
 
+@pytest.mark.slow
 def test_a_locked_workdir_is_status_3_naming_the_holder(tmp_path):
     holder = WorkdirLock(str(tmp_path))
     holder.acquire()

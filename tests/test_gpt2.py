@@ -355,6 +355,7 @@ def test_hub_id_without_network_fails_at_once(empty_hub_cache, monkeypatch):
     assert "could not be found offline" in message and "unreachable" in message
 
 
+@pytest.mark.slow
 def test_a_hub_that_never_answers_fails_within_seconds(empty_hub_cache, monkeypatch):
     """A resolver or connection that hangs (no network, a firewall that drops packets)."""
     offline(monkeypatch, False)

@@ -185,6 +185,7 @@ def test_reproduce_tiny_writes_every_claim_and_knows_its_runs_finished(tmp_path)
     assert reproduce._unfinished_reason(longer, str(tmp_path / "theory"))
 
 
+@pytest.mark.slow
 def test_reproduce_refuses_a_bad_scale(tmp_path):
     command = [sys.executable, "-m", "resconv_jax.reproduce", f"--workdir={tmp_path / 'w'}",
                "--scale=huge"]  # fmt: skip

@@ -9,16 +9,33 @@ import pkgutil
 from types import ModuleType
 
 
+def package_modules(package: str, path) -> list[ModuleType]:
+    """The modules (files or folders) of `package` (its `__path__`, `path`), imported; those whose
+    name starts with "_" are left out."""
+    return [
+        importlib.import_module(f"{package}.{info.name}")
+        for info in pkgutil.iter_modules(path)
+        if not info.name.startswith("_")
+    ]
+
+
 def modules_providing(package: str, path, functions: tuple[str, ...]) -> tuple[str, ...]:
-    """The names of the modules (files or folders) of `package` (its `__path__`, `path`) that
-    define every one of `functions`, sorted; modules whose name starts with "_" are left out."""
-    names = []
-    for info in pkgutil.iter_modules(path):
-        if not info.name.startswith("_"):
-            module = importlib.import_module(f"{package}.{info.name}")
-            if provides(module, functions):
-                names.append(info.name)
-    return tuple(sorted(names))
+    """The names of the modules of `package` (`package_modules`) that define every one of
+    `functions`, sorted."""
+    return tuple(
+        sorted(
+            module.__name__.rpartition(".")[2]
+            for module in package_modules(package, path)
+            if provides(module, functions)
+        )
+    )
+
+
+def import_named(package: str, name: str, names: tuple[str, ...], refusal: Exception) -> ModuleType:
+    """The module `package.name` when `name` is one of `names`; else raises `refusal`."""
+    if name not in names:
+        raise refusal
+    return importlib.import_module(f"{package}.{name}")
 
 
 def provides(module: ModuleType, functions: tuple[str, ...]) -> bool:

@@ -181,10 +181,10 @@ def run(config, workdir: str) -> list[dict]:
             config = group_config(config, groups[0][0])
         data_kind = data_module(config.data.name)
         widest = max(config.sweep.dim, default=0)
-        shapes = None
-        if hasattr(data_kind, "shapes"):  # from the config alone, before anything is drawn
+        if hasattr(data_kind, "check_size"):  # from the config alone, before anything is drawn
             data_kind.check_size(config.data, widest)
-            shapes = data_kind.shapes(config.data, widest)
+        shapes = data_kind.shapes(config.data, widest) if hasattr(data_kind, "shapes") else None
+        if shapes is not None:
             _check_model_size(config, shapes, groups)
         model_kind = model_module(config.model.name)
         if hasattr(model_kind, "check_available"):

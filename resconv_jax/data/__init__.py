@@ -4,7 +4,7 @@ provides
     default_config() -> ConfigDict   the whole `config.data` section (with name = NAME)
     load(data_cfg) -> Dataset        full-batch arrays; the trainer shards them over 'data'
 
-and may provide `shapes(data_cfg, dim)` with `check_size(data_cfg, dim)` (its sizes, and a size
+and may provide `shapes(data_cfg, dim)` and `check_size(data_cfg, dim)` (its sizes, and a size
 that cannot fit, from the config alone, before anything is drawn; `dim` the widest of a width
 sweep, or 0). The file formats behind them are in `formats/`. Adding a data set is one new module
 here; no list elsewhere changes.
@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 from types import ModuleType
 
 import jax
 import numpy as np
 
-from resconv_jax.by_name import modules_providing
+from resconv_jax.by_name import import_named, modules_providing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,9 +66,8 @@ def data_names() -> tuple[str, ...]:
 
 def data_module(name: str) -> ModuleType:
     """The module of data set `name` (one of `data_names()`)."""
-    if name not in data_names():
-        raise ValueError(f"no data set {name!r} (the data sets: {', '.join(data_names())})")
-    return importlib.import_module(f"{__name__}.{name}")
+    refusal = ValueError(f"no data set {name!r} (the data sets: {', '.join(data_names())})")
+    return import_named(__name__, name, data_names(), refusal)
 
 
 def load_dataset(config) -> Dataset:

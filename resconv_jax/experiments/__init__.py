@@ -18,13 +18,11 @@ from here.
 from __future__ import annotations
 
 import functools
-import importlib
-import pkgutil
 from types import ModuleType
 
 import jax
 
-from resconv_jax.by_name import modules_providing, provides
+from resconv_jax.by_name import import_named, modules_providing, package_modules
 from resconv_jax.errors import ConfigError
 
 _TASK_FUNCTIONS = ("run", "report", "why_unfinished", "describe_sizes")
@@ -38,24 +36,15 @@ def task_names() -> tuple[str, ...]:
 
 def task_module(name: str) -> ModuleType:
     """The module of task `name`; ConfigError (one line) naming the tasks for any other."""
-    try:
-        module = importlib.import_module(f"{__name__}.{name}")
-    except ImportError:
-        module = None
-    if module is None or not provides(module, _TASK_FUNCTIONS):
-        raise ConfigError(f"config.task={name!r}: expected one of {', '.join(task_names())}")
-    return module
+    refusal = ConfigError(f"config.task={name!r}: expected one of {', '.join(task_names())}")
+    return import_named(__name__, name, task_names(), refusal)
 
 
 @functools.cache
 def experiment_list() -> tuple:
     """Every experiment of every module here (`EXPERIMENTS`), in the order of the claims table:
     each at its first claim's place."""
-    modules = [
-        importlib.import_module(f"{__name__}.{info.name}")
-        for info in pkgutil.iter_modules(__path__)
-        if not info.name.startswith("_")
-    ]
+    modules = package_modules(__name__, __path__)
     records = [record for module in modules for record in getattr(module, "EXPERIMENTS", ())]
     return tuple(sorted(records, key=lambda record: record.rank))
 

@@ -14,10 +14,9 @@ section. Adding a model is one new module here; no list elsewhere changes.
 from __future__ import annotations
 
 import functools
-import importlib
 from types import ModuleType
 
-from resconv_jax.by_name import modules_providing
+from resconv_jax.by_name import import_named, modules_providing
 from resconv_jax.models.interface import Model, RunSettings
 
 __all__ = ["Model", "RunSettings", "build_model", "model_module", "model_names"]
@@ -31,9 +30,8 @@ def model_names() -> tuple[str, ...]:
 
 def model_module(name: str) -> ModuleType:
     """The module of model `name` (one of `model_names()`)."""
-    if name not in model_names():
-        raise ValueError(f"no model {name!r} (the models: {', '.join(model_names())})")
-    return importlib.import_module(f"{__name__}.{name}")
+    refusal = ValueError(f"no model {name!r} (the models: {', '.join(model_names())})")
+    return import_named(__name__, name, model_names(), refusal)
 
 
 def build_model(model_cfg, dataset) -> Model:

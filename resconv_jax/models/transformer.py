@@ -218,19 +218,9 @@ def apply(graphdef: nnx.GraphDef, params: dict, x: jax.Array, beta_attn, beta_ff
     return nnx.merge(graphdef, params)(x, beta_attn, beta_ffn, **kwargs)
 
 
-def _forward(graphdef, params, x, settings: RunSettings, *, return_intermediates=False):
-    return apply(graphdef, params, x, *settings, return_intermediates=return_intermediates)
-
-
-def _forward_fast_backward(graphdef, params, x, settings: RunSettings, *, return_intermediates):
-    return apply(
-        graphdef,
-        params,
-        x,
-        *settings,
-        return_intermediates=return_intermediates,
-        fast_backward=True,
-    )
+def _forward(graphdef, params, x, settings: RunSettings, **kwargs):
+    """`apply` with the run's settings as the interface passes them (`Model.forward`)."""
+    return apply(graphdef, params, x, *settings, **kwargs)
 
 
 def make_model(cfg: ModelConfig, *, fast_backward: bool = True) -> Model:
@@ -240,7 +230,7 @@ def make_model(cfg: ModelConfig, *, fast_backward: bool = True) -> Model:
     return Model(
         graphdef=graphdef,
         forward=_forward,
-        forward_for_grad=_forward_fast_backward if fast_backward else None,
+        forward_for_grad=functools.partial(_forward, fast_backward=True) if fast_backward else None,
         init=lambda seed: init_params(cfg, seed)[1],
         description=(
             f"Transformer: {cfg.num_layers} block(s), d={cfg.d}, d_qk={cfg.d_qk}, d_h={cfg.d_h}"

@@ -133,6 +133,8 @@ def plot_descent(history: list[dict], rows: list[dict], path) -> None:
         ax_curve.axhline(f, color="0.4", linewidth=0.8, linestyle=(0, (2, 2)))
         ax_curve.annotate(f"{f:g}·L_0", (0, f), fontsize=7, va="bottom")
     style_note = ", ".join(f"{styles[s]} seed {s}" for s in seeds)
+    if len(seeds) > 4:  # the styles repeat: name the cycle, not every seed (the title must fit)
+        style_note = f"-, --, :, -. cycling over {len(seeds)} seeds {seeds[0]}–{seeds[-1]}"
     ax_curve.set(
         xlabel="step",
         ylabel="L_t / L_0 (each run relative to its own start)",

@@ -65,6 +65,11 @@ def base_config() -> ml_collections.ConfigDict:
     # -1: auto, chunks on a 1-device CPU mesh when the compiled chunk of all runs needs more than
     # 8 MiB of temporaries (cache-sized).
     c.train.runs_per_chunk = -1
+    # Full-batch GD in bounded memory: 0: the whole batch at once; n > 0: each device's shard of
+    # the batch in microbatches of n samples inside the compiled step (the same full-batch step,
+    # loss, probe and certificate, summed over microbatches); "auto": the whole batch if the
+    # compiled step fits the devices' free memory, else the largest n that does.
+    c.train.microbatch_size = ml_collections.FieldReference(0, field_type=object)
 
     c.sweep = ml_collections.ConfigDict()
     # Runs are the product of the non-empty lists below; an empty list uses the single value above.

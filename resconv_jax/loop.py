@@ -88,7 +88,8 @@ def run_loop(
     print(
         f"{len(runs)} runs, mesh {dict(program.y.sharding.mesh.shape)}, {dataset.description}; "
         f"compiled in {program.compile_seconds:.1f}s{program.runners.description}; "
-        f"{program.flops:.3g} FLOP per step (all runs)",
+        f"{program.flops:.3g} FLOP per step (all runs); "
+        f"{program.runners.memory_description(program.y.sharding.mesh)}",
         flush=True,
     )
     settings = [r.settings() for r in runs]

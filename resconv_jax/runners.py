@@ -15,6 +15,8 @@ import jax.numpy as jnp
 
 from resconv_jax import sharding
 from resconv_jax.errors import ConfigError
+from resconv_jax.microbatch import Microbatches
+from resconv_jax.runtime import memory
 
 # runs_per_chunk=-1: step the runs in chunks when the compiled chunk (all runs, with the probe)
 # needs more temporaries than this.
@@ -67,7 +69,12 @@ class ChunkRunners:
         log_every: int,
         runs_per_chunk: int = 0,
         probe_every: int = 0,
+        microbatch_size: int = 0,
     ):
+        self.microbatch_size = microbatch_size
+        self._batches = Microbatches(
+            jax.tree.leaves(args[3])[0].shape[0], mesh.shape["data"], microbatch_size
+        )
         self.probe_every = probe_every if probe_fn is not None else 0
         num_runs = jax.tree.leaves(args[1])[0].shape[0]
         chunk = check_runs_per_chunk(runs_per_chunk, mesh)
@@ -82,7 +89,11 @@ class ChunkRunners:
 
     def _compile_chunk(self, make_fns, log_every: int, mesh, args, probe_fn):
         state, hp, x, y = args
-        fns = make_fns(probe=probe_fn, runs_per_chunk=self.runs_per_chunk)
+        fns = make_fns(
+            probe=probe_fn,
+            runs_per_chunk=self.runs_per_chunk,
+            microbatch_size=self.microbatch_size,
+        )
         on_runs = jax.tree.map(lambda _: sharding.run_sharding(mesh), state)
         return (
             jax.jit(fns.run_steps, donate_argnums=0, out_shardings=(on_runs, None))
@@ -102,6 +113,15 @@ class ChunkRunners:
             return ""
         return f", {self.runs_per_chunk} run{'s' if self.runs_per_chunk > 1 else ''} at a time"
 
+    def memory_description(self, mesh) -> str:
+        """How the batch is taken and what the step needs: 'the whole batch at once' or
+        'microbatches of n samples per device (k per step)', and the step's memory per device."""
+        batches = "the whole batch at once"
+        if self.microbatch_size:
+            batches = self._batches.describe()
+        per_device, _, _ = memory.compiled_need(self.largest, mesh)
+        return f"{batches}, step memory {memory.format_bytes(per_device)} per device"
+
     def at(self, step: int):
         """The chunk starting at `step`: (state, hp, x, y, num_steps) -> (state, buffers)."""
         if not self.probe_every or step % self.probe_every == 0:
@@ -109,3 +129,51 @@ class ChunkRunners:
         if self._without_probe is None:  # compiled on first use: some runs never need it
             self._without_probe = self._compile(None)
         return self._without_probe
+
+
+def _fitting_size(need_at, shard: int, have: int, known: tuple[int, int]) -> int:
+    """The largest microbatch size n ≤ `shard` whose chunk is estimated to fit `have` bytes:
+    a line through need_at(1) and `known` = (n, need) measured (activations grow linearly in n).
+    0 when even n = 1 does not fit."""
+    one = need_at(1)
+    if one > have:
+        return 0
+    size, need = known
+    if size <= 1 or need <= one:
+        return shard
+    slope = (need - one) / (size - 1)
+    return max(1, min(shard, 1 + int((have - one) / slope)))
+
+
+def compile_chunks(make_runners, requested, shard: int, mesh) -> tuple[ChunkRunners, int]:
+    """The compiled chunks and the microbatch size they use, for train.microbatch_size
+    `requested` (0: the whole batch, n > 0, or "auto": the whole batch if it fits, else the
+    largest n that does, from XLA's memory analysis). `make_runners(microbatch_size=n)` compiles `ChunkRunners`
+    at size n; `shard` is the samples of one 'data' shard. Raises ConfigError (one line, naming
+    the largest size that would fit) when the chunks do not fit the devices' free memory."""
+
+    def need_at(size: int) -> int:
+        return memory.compiled_need(make_runners(microbatch_size=size).largest, mesh)[1]
+
+    size = 0 if requested == "auto" else requested
+    runners = make_runners(microbatch_size=size)
+    if memory.fits(runners.largest, mesh):
+        return runners, size
+    _, need, have = memory.compiled_need(runners.largest, mesh)
+    fitting = _fitting_size(need_at, shard, have, (size or shard, need))
+    if requested == "auto":
+        for _ in range(4):  # the line is an estimate: verified, and shrunk if it was optimistic
+            if not fitting:
+                break
+            runners = make_runners(microbatch_size=fitting)
+            if memory.fits(runners.largest, mesh):
+                return runners, fitting
+            fitting = int(fitting * 0.8)
+    advice = (
+        "even train.microbatch_size=1 does not fit: reduce the model's widths or the number of "
+        "runs"
+        if not fitting
+        else f"train.microbatch_size={fitting} (samples per device per microbatch) would fit, "
+        "estimated from XLA's memory analysis; or reduce the model's widths or the runs"
+    )
+    raise memory.refusal(runners.largest, mesh, advice)

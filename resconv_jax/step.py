@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from resconv_jax.analysis import jacobian
 from resconv_jax.analysis.probe import collapse_residual
 from resconv_jax.models.interface import Model
 
@@ -77,6 +78,26 @@ def task_loss(pred: jax.Array, target: jax.Array, reduction: str, kind: str) -> 
     return jnp.sum(losses) if reduction == "sum" else jnp.mean(losses)
 
 
+def weighted_task_loss(
+    pred: jax.Array, target: jax.Array, weights: jax.Array, num_samples: int, reduction: str, kind: str
+) -> jax.Array:
+    """`task_loss`'s share of the samples of one microbatch of a batch of `num_samples`: each
+    sample's loss times its weight (n,) (1: counted here, 0: counted by another microbatch),
+    summed, and for the "mean" reduction divided by the whole batch's count of squares (or of
+    samples, for cross-entropy), so that the shares of all microbatches add up to `task_loss`."""
+    if is_classification(target) and kind == "cross_entropy":
+        per_sample = optax.softmax_cross_entropy_with_integer_labels(pred, target)
+        entries = 1
+    else:
+        if is_classification(target):
+            target = jax.nn.one_hot(target, pred.shape[-1], dtype=pred.dtype)
+        squares = jnp.square(pred - target).reshape(pred.shape[0], -1)
+        per_sample = 0.5 * jnp.sum(squares, axis=-1)
+        entries = squares.shape[-1]
+    total = jnp.sum(weights.astype(per_sample.dtype) * per_sample)
+    return total if reduction == "sum" else total / (num_samples * entries)
+
+
 def _masked(inter: dict) -> tuple[jax.Array, jax.Array]:
     """attn, z (R, L, P, T, d) with padding rows zeroed (row_mask (R, P, T)): the stacked singular
     values are those of the real rows alone."""
@@ -95,7 +116,8 @@ class StepFunctions:
     evaluate: Callable  # (params, hp, x, y) -> (R,) losses, all runs
     error: Callable  # (params, hp, x, labels) -> (R,) fraction misclassified, all runs
     run_steps: Callable  # (state, hp, x, y, num_steps) -> (state, buffers)
-    predict: Callable  # (params, hp, x) -> F(X), one run (for the tangent kernel: certificate)
+    predict: Callable  # (params, hp, x) -> F(X), one run, the whole batch at once
+    linearize: Callable  # (params, hp, x) -> jacobian.JacobianOps of one run (the certificate)
 
 
 def make_step_functions(
@@ -107,8 +129,15 @@ def make_step_functions(
     probe: Callable | None = None,
     runs_per_chunk: int = 0,
     loss_kind: str = "squared",
+    microbatch_size: int = 0,
+    data_shards: int = 1,
 ) -> StepFunctions:
     """Builds the per-run loss and step, their vmaps over runs, and the on-device step loop.
+
+    `microbatch_size` n > 0: every full-batch value (the step's loss and gradient, the probe,
+    evaluate, error, the Jacobian's products) is taken over microbatches of n samples of each of
+    the `data_shards` shards of the 'data' axis (`step_microbatched`), the same values in one
+    microbatch's memory; `probe` must then be a `probe.SpectralProbe`. 0: the whole batch at once.
 
     x (the model's inputs: (P, M, d) windows, or {"ids", "mask"} (P, T) tokens) and y ((P, M, d_y)
     targets, or (P,) labels: `task_loss` with `loss_kind`) are shared by all runs.
@@ -129,6 +158,21 @@ def make_step_functions(
     fit in its cache.
     Single-device meshes only (the run axis must not be sharded).
     """
+
+    if microbatch_size:
+        from resconv_jax import step_microbatched  # it builds on this module's functions
+
+        return step_microbatched.make_step_functions(
+            model,
+            optimizer,
+            reduction,
+            steps_per_call,
+            probe=probe,
+            runs_per_chunk=runs_per_chunk,
+            loss_kind=loss_kind,
+            microbatch_size=microbatch_size,
+            data_shards=data_shards,
+        )
 
     def loss_and_intermediates(params, hp, x, y):
         pred, inter = model.apply_for_grad(params, x, hp, return_intermediates=True)
@@ -160,6 +204,37 @@ def make_step_functions(
 
     evaluate = jax.vmap(loss, in_axes=(0, 0, None, None))
 
+    def probed_step(state, hp, x, y):
+        state, metrics, inter = step(state, hp, x, y)
+        if probe is None:
+            return state, metrics, None
+        probed = probe(*_masked(inter))
+        mask = inter.get("row_mask")
+        probed |= {
+            f"{name}/collapse_residual": collapse_residual(inter[name], mask)
+            for name in ("attn", "z")
+        }
+        return state, metrics, probed
+
+    return StepFunctions(
+        loss=loss,
+        step=step,
+        evaluate=evaluate,
+        error=jax.vmap(error, in_axes=(0, 0, None, None)),
+        run_steps=chunk_loop(step, probed_step, steps_per_call),
+        predict=predict,
+        linearize=lambda params, hp, x: jacobian.of_function(
+            lambda p: predict(p, hp, x), params
+        ),
+    )
+
+
+def chunk_loop(step: Callable, probed_step: Callable, steps_per_call: int) -> Callable:
+    """`run_steps(state, hp, x, y, num_steps)`: num_steps ≤ `steps_per_call` steps, compiled
+    once for any num_steps, every step's metrics in buffers of shape (steps_per_call, R), NaN
+    past num_steps; the first step is `probed_step` (-> state, metrics, probe values {name: (R,
+    L)} or None: buffers (1, R, L)), the others `step`."""
+
     def run_steps(state, hp, x, y, num_steps):
         def body(i, carry):
             state, buffers = carry
@@ -169,30 +244,17 @@ def make_step_functions(
 
         # The chunk's first step runs outside the loop, so that the probe of its intermediates
         # (which needs collectives) is not inside control flow.
-        state, metrics, inter = step(state, hp, x, y)
+        state, metrics, probed = probed_step(state, hp, x, y)
         buffers = {  # in the training dtype (float32, or float64 with model.dtype=float64)
             k: jnp.full((steps_per_call, *v.shape), jnp.nan, v.dtype).at[0].set(v)
             for k, v in metrics.items()
         }
         state, buffers = jax.lax.fori_loop(1, num_steps, body, (state, buffers))
-        if probe is not None:
-            probed = probe(*_masked(inter))
-            mask = inter.get("row_mask")
-            probed |= {
-                f"{name}/collapse_residual": collapse_residual(inter[name], mask)
-                for name in ("attn", "z")
-            }
+        if probed is not None:
             floats = metrics["loss"].dtype  # a float64 probe of a float32 model stays float64
             buffers |= {
                 k: v.astype(jnp.promote_types(floats, v.dtype))[None] for k, v in probed.items()
             }
         return state, buffers
 
-    return StepFunctions(
-        loss=loss,
-        step=step,
-        evaluate=evaluate,
-        error=jax.vmap(error, in_axes=(0, 0, None, None)),
-        run_steps=run_steps,
-        predict=predict,
-    )
+    return run_steps

@@ -36,7 +36,7 @@ from resconv_jax.errors import ConfigError, Preempted, TrainingDiverged
 from resconv_jax.finished import RUNS_FILE, SUMMARY_FILE, refuse_fewer_steps
 from resconv_jax.loop import LoopSettings, Program, run_loop
 from resconv_jax.models import Model, RunSettings, build_model, model_module
-from resconv_jax.runners import ChunkRunners, check_runs_per_chunk
+from resconv_jax.runners import ChunkRunners, check_runs_per_chunk, compile_chunks
 from resconv_jax.runtime import memory, multihost, signals
 from resconv_jax.runtime import workdir as wd
 from resconv_jax.runtime.checkpoint import Checkpointer, checkpoint_losses_finite
@@ -256,11 +256,8 @@ def _build(config, parts: _Parts, runs) -> Program:
     optimizer = make_optimizer(config.optim)
     probe_fn = None
     if config.probe.enabled:
-        probe_fn = functools.partial(
-            probe.probe_attention,
-            mesh=mesh,
-            dtype=jnp.dtype(config.probe.dtype),
-            per_sample=config.probe.per_sample,
+        probe_fn = probe.SpectralProbe(
+            mesh, jnp.dtype(config.probe.dtype), per_sample=config.probe.per_sample
         )
     make_fns = functools.partial(
         make_step_functions,
@@ -269,39 +266,46 @@ def _build(config, parts: _Parts, runs) -> Program:
         config.optim.reduction,
         config.train.log_every,
         loss_kind=config.optim.loss,
+        data_shards=mesh.shape["data"],
     )
-    fns = make_fns()  # loss, step, evaluate, predict: the chunk runners add the probe
+    params = model.init_runs([run.seed for run in runs])
+    t0 = time.perf_counter()
+    runners, microbatch_size = compile_chunks(
+        functools.partial(
+            ChunkRunners,
+            make_fns,
+            probe_fn,
+            mesh,
+            (sharding.put_tree(_state(params, runs, optimizer), on_runs), hp, x, y),
+            log_every=config.train.log_every,
+            runs_per_chunk=config.train.runs_per_chunk,
+            probe_every=config.probe.every,
+        ),
+        config.train.microbatch_size,
+        dataset.num_train // mesh.shape["data"],
+        mesh,
+    )
+    compile_seconds = time.perf_counter() - t0
+    fns = make_fns(microbatch_size=microbatch_size)  # evaluate, error, linearize
     scale = loss_scale(config.optim.reduction, num_outputs)
     kernel = None
     if config.certificate.every or config.optim.lr_rule == "lambda_max":
         kernel = make_kernel(
-            fns.predict,
+            fns.linearize,
             scale,
             num_outputs,
             num_params,
             max_entries=config.certificate.max_jacobian_entries,
             iterations=config.certificate.lanczos_iterations,
         )
-    params = model.init_runs([run.seed for run in runs])
     if config.optim.lr_rule == "lambda_max":
         runs = with_kernel_lrs(config.optim.lr_factor, runs, kernel, params, hp, x)
     state = sharding.put_tree(_state(params, runs, optimizer), on_runs)
 
     def lambda_max_at_init():
         initial = sharding.put_tree(model.init_runs([run.seed for run in runs]), on_runs)
-        return multihost.to_host(jax.jit(power_lambda_max(fns.predict))(initial, hp, x))
+        return multihost.to_host(jax.jit(power_lambda_max(fns.linearize))(initial, hp, x))
 
-    t0 = time.perf_counter()
-    runners = ChunkRunners(
-        make_fns,
-        probe_fn,
-        mesh,
-        (state, hp, x, y),
-        log_every=config.train.log_every,
-        runs_per_chunk=config.train.runs_per_chunk,
-        probe_every=config.probe.every,
-    )
-    memory.check_compiled(runners.largest, mesh)
     return Program(
         runs=runs,
         state=state,
@@ -318,8 +322,8 @@ def _build(config, parts: _Parts, runs) -> Program:
         kernel=kernel,
         lambda_max_at_init=lambda_max_at_init,
         loss_scale=scale,
-        flops=step_flops(fns.step, state, hp, x, y),
-        compile_seconds=time.perf_counter() - t0,
+        flops=step_flops(make_fns().step, state, hp, x, y),  # the whole batch's: the same FLOPs
+        compile_seconds=compile_seconds,
     )
 
 

@@ -142,6 +142,7 @@ def validate_config(config) -> None:
         if value < minimum:
             bound = {1: "positive", 0: "non-negative"}.get(minimum, f">= {minimum}")
             raise ConfigError(f"config.{field}={value}: must be {bound}")
+    _check_microbatch_size(config.train.get("microbatch_size", 0))
     for field in POSITIVE_FLOATS:
         if _get(config, field) is not None:
             _check_lr(f"config.{field}", _get(config, field))
@@ -174,6 +175,15 @@ def validate_config(config) -> None:
             raise ConfigError(
                 f"config.{field}={value}: must be a multiple of train.log_every={log_every}"
             )
+
+
+def _check_microbatch_size(value) -> None:
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        return
+    raise ConfigError(
+        f"config.train.microbatch_size={value!r}: expected 0 (the whole batch), a number of "
+        "samples per device > 0, or auto"
+    )
 
 
 def _check_lr(field: str, value) -> None:

@@ -11,8 +11,8 @@ import dataclasses
 import jax
 import numpy as np
 
-from resconv_jax.analysis import theory
-from resconv_jax.analysis.lanczos import num_products, tangent_kernel_lanczos
+from resconv_jax.analysis import jacobian, theory
+from resconv_jax.analysis.lanczos import kernel_lanczos, num_products
 from resconv_jax.runtime.multihost import to_host
 
 
@@ -21,39 +21,35 @@ def loss_scale(reduction: str, num_outputs: int) -> float:
     return 1.0 if reduction == "sum" else 1.0 / num_outputs
 
 
-def dense_eigenvalues(predict):
-    """(params, hp, x) -> (λ_min, λ_max), each (R,): K = J Jᵀ formed and diagonalized per run
-    (lax.map), `predict(params, hp, x)` one run's outputs."""
+def _per_run(of_ops, linearize):
+    """(params, hp, x) -> `of_ops(J)` per run (lax.map over the run axis), J from
+    `linearize(params, hp, x)` -> `jacobian.JacobianOps` of one run's outputs."""
 
     def one_run(run, x):
         params, hp = run
-        return theory.tangent_kernel_eigenvalues(lambda p: predict(p, hp, x), params)
+        return of_ops(linearize(params, hp, x))
 
     return lambda params, hp, x: jax.lax.map(lambda run: one_run(run, x), (params, hp))
 
 
-def power_lambda_max(predict):
+def dense_eigenvalues(linearize):
+    """(params, hp, x) -> (λ_min, λ_max), each (R,): K = J Jᵀ formed and diagonalized per run."""
+    return _per_run(jacobian.dense_eigenvalues, linearize)
+
+
+def power_lambda_max(linearize):
     """(params, hp, x) -> (R,) λ_max(K) per run by matrix-free power iteration."""
-
-    def one_run(run, x):
-        params, hp = run
-        return theory.kernel_lambda_max(lambda p: predict(p, hp, x), params)
-
-    return lambda params, hp, x: jax.lax.map(lambda run: one_run(run, x), (params, hp))
+    return _per_run(jacobian.power_lambda_max, linearize)
 
 
-def lanczos_eigenvalues(predict, iterations: int):
-    """(params, hp, x) -> (λ_min, λ_max, res_min, res_max), each (R,): Lanczos per run (lax.map),
-    `predict(params, hp, x)` one run's outputs."""
+def lanczos_eigenvalues(linearize, iterations: int):
+    """(params, hp, x) -> (λ_min, λ_max, res_min, res_max), each (R,): Lanczos per run."""
 
-    def one_run(run, x):
-        params, hp = run
-        spectrum = tangent_kernel_lanczos(
-            lambda p: predict(p, hp, x), params, iterations=iterations
-        )
+    def of_ops(ops):
+        spectrum = kernel_lanczos(ops, iterations=iterations)
         return spectrum.lam_min, spectrum.lam_max, spectrum.res_min, spectrum.res_max
 
-    return lambda params, hp, x: jax.lax.map(lambda run: one_run(run, x), (params, hp))
+    return _per_run(of_ops, linearize)
 
 
 @dataclasses.dataclass
@@ -88,13 +84,14 @@ class Kernel:
 
 
 def make_kernel(
-    predict, scale: float, num_outputs: int, num_params: int, *, max_entries: int, iterations: int
+    linearize, scale: float, num_outputs: int, num_params: int, *, max_entries: int, iterations: int
 ) -> Kernel:
-    """The certificate's eigenvalues of `predict`'s tangent kernel: K formed from J when J
+    """The certificate's eigenvalues of the tangent kernel of `linearize(params, hp, x)` (one
+    run's `jacobian.JacobianOps`): K formed from J when J
     (outputs × the parameters of one run) has at most `max_entries` entries, else Lanczos with
     `iterations` steps (J never formed; its cost and accuracy are said in one line)."""
     if num_outputs * num_params <= max_entries:
-        return Kernel(jax.jit(dense_eigenvalues(predict)), scale)
+        return Kernel(jax.jit(dense_eigenvalues(linearize)), scale)
     products = num_products(iterations, num_outputs, num_params)
     print(
         f"certificate: J ({num_outputs} outputs x {num_params} params) exceeds "
@@ -104,7 +101,7 @@ def make_kernel(
         "ntk/residual_max",
         flush=True,
     )
-    return Kernel(jax.jit(lanczos_eigenvalues(predict, iterations)), scale)
+    return Kernel(jax.jit(lanczos_eigenvalues(linearize, iterations)), scale)
 
 
 def with_kernel_lrs(lr_factor: float, runs, kernel: Kernel, params, hp, x):

@@ -13,7 +13,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.flatten_util import ravel_pytree
+
+from resconv_jax.analysis import jacobian
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -55,24 +56,16 @@ def tangent_kernel_lanczos(f: Callable, params, *, iterations: int) -> KernelSpe
       farthest from the basis, so the Ritz values stay exact and nothing divides by zero.
       Jit-able, and works under `jax.vmap` and `jax.lax.map` (fixed-size loops only).
     """
+    return kernel_lanczos(jacobian.of_function(f, params), iterations=iterations)
+
+
+def kernel_lanczos(ops: jacobian.JacobianOps, *, iterations: int) -> KernelSpectrum:
+    """`tangent_kernel_lanczos` for J given as linear maps (`jacobian.JacobianOps`: of a
+    function, or formed microbatch by microbatch)."""
     if iterations < 1:
         raise ValueError(f"iterations must be ≥ 1, got {iterations}")
-    theta, unravel = ravel_pytree(params)
-    dtype = theta.dtype
-
-    def flat_f(t):
-        return jnp.ravel(f(unravel(t)))
-
-    out = jax.eval_shape(flat_f, theta)
-    n, p, out_dtype = out.size, theta.size, out.dtype
-    _, pullback = jax.vjp(flat_f, theta)
-
-    def jvp(u):  # J u: (p,) -> (n,)
-        return jax.jvp(flat_f, (theta,), (u.astype(dtype),))[1].astype(dtype)
-
-    def vjp(v):  # Jᵀ v: (n,) -> (p,)
-        return pullback(v.astype(out_dtype))[0].astype(dtype)
-
+    dtype = ops.theta.dtype
+    n, p, jvp, vjp = ops.num_outputs, ops.theta.size, ops.jvp, ops.vjp
     if n <= p:
         m, apply = n, lambda v: jvp(vjp(v))
     else:

@@ -21,6 +21,7 @@ by n_sweep and P by n_data. On CPU with several (virtual) devices, set OPENBLAS_
 devices' concurrent LAPACK QRs otherwise fight over OpenBLAS threads (100× slower).
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -39,13 +40,13 @@ def _check_dtype(dtype) -> jnp.dtype:
     return dtype
 
 
-_qr_r = functools.partial(jnp.linalg.qr, mode="r")
+qr_r = functools.partial(jnp.linalg.qr, mode="r")  # (m, n) -> the (min(m, n), n) R factor
 
 
 def _local_singular_values(x: jax.Array) -> jax.Array:
     """(..., N, d) -> (..., min(N, d)) singular values, QR first when the matrices are tall."""
     if x.shape[-2] > x.shape[-1]:
-        x = small_batches(_qr_r, x)  # (..., d, d)
+        x = small_batches(qr_r, x)  # (..., d, d)
     return small_batches(singular_values, x)
 
 
@@ -58,7 +59,7 @@ def _tsqr_singular_values(x: jax.Array, axis_name: str | None) -> jax.Array:
         sv = _local_singular_values(x)
         # On a size-1 axis pmax moves nothing; it marks sv as the same on every 'data' shard.
         return sv if axis_name is None else jax.lax.pmax(sv, axis_name)
-    r = small_batches(_qr_r, x)  # (..., min(N_local, d), d): a short R when N_local < d
+    r = small_batches(qr_r, x)  # (..., min(N_local, d), d): a short R when N_local < d
     r = jax.lax.all_gather(r, axis_name, axis=r.ndim - 2, tiled=True, to="invarying")
     return _local_singular_values(r)  # the gathered (n_shards·min(N_local, d), d) R factors
 
@@ -82,7 +83,7 @@ def _probe_local(x: jax.Array, axis_name: str | None, dtype, parts: tuple[str, .
     return tuple(out)
 
 
-def _probe(x: jax.Array, mesh: jax.sharding.Mesh | None, dtype, parts: tuple[str, ...]) -> tuple:
+def spectra(x: jax.Array, mesh: jax.sharding.Mesh | None, dtype, parts: tuple[str, ...]) -> tuple:
     """x: (R, L, P, M, d) -> per ``parts``: stacked σ (R, L, min(P·M, d)), sample σ_min (R, L)."""
     dtype = _check_dtype(dtype)
     _, _, n_samples, m, d = x.shape
@@ -111,7 +112,7 @@ def stacked_singular_values(
     Returns:
       (R, min(P·M, d)) singular values in descending order (d of them when P·M ≥ d).
     """
-    return _probe(x[:, None], mesh, dtype, ("stacked",))[0][:, 0]
+    return spectra(x[:, None], mesh, dtype, ("stacked",))[0][:, 0]
 
 
 def per_sample_min_singular_value(
@@ -125,7 +126,7 @@ def per_sample_min_singular_value(
     Returns:
       (R,)
     """
-    return _probe(x[:, None], mesh, dtype, ("sample",))[0][:, 0]
+    return spectra(x[:, None], mesh, dtype, ("sample",))[0][:, 0]
 
 
 def spectral_stats(sv: jax.Array, n_rows: int, n_cols: int) -> dict[str, jax.Array]:
@@ -173,7 +174,7 @@ def probe_attention(
     parts = ("stacked", "sample") if per_sample else ("stacked",)
     out = {}
     for name, x in (("attn", attn), ("z", z)):
-        sv, *sample_min = _probe(x, mesh, dtype, parts)
+        sv, *sample_min = spectra(x, mesh, dtype, parts)
         stats = spectral_stats(sv, n_samples * m, d)
         if per_sample:
             stats["sample_sigma_min"] = sample_min[0]
@@ -181,8 +182,21 @@ def probe_attention(
     return out
 
 
-def collapse_residual(x: jax.Array, row_mask: jax.Array | None = None) -> jax.Array:
-    """Dong et al. (2021)'s rank-collapse residual, mean over samples, per run and layer.
+@dataclasses.dataclass(frozen=True)
+class SpectralProbe:
+    """`probe_attention` with its settings bound: (attn, z) -> dict of (R, L) arrays; the
+    microbatched step takes the same settings to `probe_running`."""
+
+    mesh: jax.sharding.Mesh | None = None
+    dtype: object = jnp.float32
+    per_sample: bool = True
+
+    def __call__(self, attn: jax.Array, z: jax.Array) -> dict[str, jax.Array]:
+        return probe_attention(attn, z, self.mesh, dtype=self.dtype, per_sample=self.per_sample)
+
+
+def collapse_ratios(x: jax.Array, row_mask: jax.Array | None = None) -> jax.Array:
+    """Dong et al. (2021)'s rank-collapse residual of each sample, per run and layer.
 
     res(X_p) = ‖X_p − 1 x̄_pᵀ‖_F / ‖X_p‖_F, x̄_p the mean row (the best constant row in Frobenius
     norm) of sample p's real rows: 0 when every token's row is the same (rank collapse), near 1
@@ -191,7 +205,7 @@ def collapse_residual(x: jax.Array, row_mask: jax.Array | None = None) -> jax.Ar
     Args:
       x: (R, L, P, M, d). row_mask: (R, P, M), 1 on real rows (None: all real).
     Returns:
-      (R, L).
+      (R, L, P).
     """
     mask = jnp.ones(x.shape[:1] + x.shape[2:4], x.dtype) if row_mask is None else row_mask
     mask = mask.astype(x.dtype)[:, None, :, :, None]  # (R, 1, P, M, 1)
@@ -199,5 +213,9 @@ def collapse_residual(x: jax.Array, row_mask: jax.Array | None = None) -> jax.Ar
     mean_row = jnp.sum(x * mask, axis=-2, keepdims=True) / count
     centred = jnp.sum(jnp.square((x - mean_row) * mask), axis=(-2, -1))
     total = jnp.sum(jnp.square(x * mask), axis=(-2, -1))
-    ratio = jnp.sqrt(centred / jnp.maximum(total, jnp.finfo(x.dtype).tiny))
-    return jnp.mean(ratio, axis=-1)
+    return jnp.sqrt(centred / jnp.maximum(total, jnp.finfo(x.dtype).tiny))
+
+
+def collapse_residual(x: jax.Array, row_mask: jax.Array | None = None) -> jax.Array:
+    """`collapse_ratios` (x (R, L, P, M, d), row_mask (R, P, M)) averaged over samples: (R, L)."""
+    return jnp.mean(collapse_ratios(x, row_mask), axis=-1)

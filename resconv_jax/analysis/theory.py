@@ -12,9 +12,9 @@ import math
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.flatten_util import ravel_pytree
+
+from resconv_jax.analysis import jacobian
 
 
 def fit_linear_rate(steps, losses, *, window: int | None = None) -> tuple[float, float]:
@@ -63,24 +63,9 @@ def tangent_kernel_eigenvalues(f: Callable, params) -> tuple[jax.Array, jax.Arra
       (λ_min(K), λ_max(K)) scalars, clipped at 0. If n ≤ p, K is formed and diagonalized (J by
       reverse mode, n VJPs); if n > p, G = Jᵀ J (p, p) is used instead (J by forward mode, p JVPs),
       which shares K's nonzero eigenvalues, and λ_min(K) = 0 exactly since rank K ≤ p < n.
-      Jit-able (``f`` static).
+      Jit-able (``f`` static). `jacobian.dense_eigenvalues` for J given as linear maps.
     """
-    theta, unravel = ravel_pytree(params)
-
-    def flat_f(t):
-        return jnp.ravel(f(unravel(t)))
-
-    n, p = jacobian_shape(f, params)
-    hi = jax.lax.Precision.HIGHEST
-    if n <= p:
-        jac = jax.jacrev(flat_f)(theta)
-        eig = jnp.linalg.eigvalsh(jnp.matmul(jac, jac.T, precision=hi))
-        lam_min = eig[0]
-    else:
-        jac = jax.jacfwd(flat_f)(theta)
-        eig = jnp.linalg.eigvalsh(jnp.matmul(jac.T, jac, precision=hi))
-        lam_min = jnp.zeros_like(eig[0])
-    return jnp.maximum(lam_min, 0), eig[-1]
+    return jacobian.dense_eigenvalues(jacobian.of_function(f, params))
 
 
 def kernel_lambda_max(f: Callable, params, *, iterations: int = 30) -> jax.Array:
@@ -90,26 +75,7 @@ def kernel_lambda_max(f: Callable, params, *, iterations: int = 30) -> jax.Array
     to λ_max from below; 30 iterations from a fixed start vector are within a few percent unless
     the top two eigenvalues nearly coincide. Jit-able (``f`` static).
     """
-    theta, unravel = ravel_pytree(params)
-
-    def flat_f(t):
-        return jnp.ravel(f(unravel(t)))
-
-    _, pullback = jax.vjp(flat_f, theta)
-
-    def gram(u):  # Jᵀ J u
-        return pullback(jax.jvp(flat_f, (theta,), (u,))[1])[0]
-
-    def body(_, carry):
-        u, _ = carry
-        w = gram(u)
-        norm = jnp.linalg.norm(w)
-        return w / jnp.maximum(norm, jnp.finfo(w.dtype).tiny), norm
-
-    start = jnp.cos(jnp.arange(theta.size, dtype=theta.dtype) * 0.7 + 0.3)
-    u0 = start / jnp.linalg.norm(start)
-    _, lam = jax.lax.fori_loop(0, iterations, body, (u0, jnp.zeros((), theta.dtype)))
-    return lam
+    return jacobian.power_lambda_max(jacobian.of_function(f, params), iterations=iterations)
 
 
 def certificate_bound(lr, lam_min, *, loss_scale=1.0, lam_max=None):

@@ -83,27 +83,43 @@ def check_fits(what: str, weights: int, activations: int) -> None:
         )
 
 
-def check_compiled(compiled, mesh: jax.sharding.Mesh) -> None:
-    """Refuses a compiled chunk whose new allocations exceed what its devices have free.
-
-    New allocations per device: temporaries + outputs − outputs aliased to donated inputs (the
-    inputs are already allocated). On a CPU they add up over this process's devices.
-    """
+def compiled_need(compiled, mesh: jax.sharding.Mesh) -> tuple[int, int, int | None]:
+    """(per device, this process, free) bytes of a compiled chunk: its new allocations per
+    device (temporaries + outputs − outputs aliased to donated inputs, which are already
+    allocated), those of this process's devices (on a CPU they share the host's memory: the sum),
+    and what the devices have free (None: unknown). (0, 0, None) without XLA's analysis."""
     analysis = compiled.memory_analysis()
     if analysis is None:
-        return
+        return 0, 0, None
     per_device = (
         analysis.temp_size_in_bytes + analysis.output_size_in_bytes - analysis.alias_size_in_bytes
     )
     local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
-    device = local[0]
-    sharing = len(local) if device.platform == "cpu" else 1
-    need, have = per_device * sharing, device_available_bytes(device)
-    if have is not None and need > have:
-        across = f" × {sharing} devices" if sharing > 1 else ""
-        raise ConfigError(
-            f"the training step needs {format_bytes(need)} of memory ("
-            f"{format_bytes(per_device)} per device{across}, from XLA's memory analysis of the "
-            f"compiled step), more than the {format_bytes(have)} free on {device.platform}; "
-            "reduce data.num_samples, the model's widths or the number of runs"
-        )
+    sharing = len(local) if local[0].platform == "cpu" else 1
+    return per_device, per_device * sharing, device_available_bytes(local[0])
+
+
+def fits(compiled, mesh: jax.sharding.Mesh) -> bool:
+    """Whether `compiled_need` is within what the devices have free (True when unknown)."""
+    _, need, have = compiled_need(compiled, mesh)
+    return have is None or need <= have
+
+
+def refusal(
+    compiled,
+    mesh: jax.sharding.Mesh,
+    advice: str = "reduce the samples, the model's widths or the number of runs",
+) -> ConfigError | None:
+    """The one-line ConfigError (ending with `advice`) for a compiled chunk whose new allocations
+    (`compiled_need`) exceed what its devices have free; None when it fits."""
+    per_device, need, have = compiled_need(compiled, mesh)
+    if have is None or need <= have:
+        return None
+    device = mesh.devices.flat[0]
+    sharing = need // max(per_device, 1)
+    across = f" × {sharing} devices" if sharing > 1 else ""
+    return ConfigError(
+        f"the training step needs {format_bytes(need)} of memory ("
+        f"{format_bytes(per_device)} per device{across}, from XLA's memory analysis of the "
+        f"compiled step), more than the {format_bytes(have)} free on {device.platform}; {advice}"
+    )

@@ -1,0 +1,164 @@
+"""`step.make_step_functions` with train.microbatch_size = n > 0: every full-batch value in one
+microbatch's memory.
+
+One GD step is still one step on the exact full-batch gradient: the loss shares and gradients of
+the microbatches (`microbatch.Microbatches`: n samples of every 'data' shard at a time) are summed
+in a `fori_loop` inside the compiled step, in the training dtype, and the optimizer is applied
+once. The probe of a chunk's first step is accumulated over the same microbatches
+(`probe_running`), evaluate and error sum over microbatches, and the tangent kernel sees J through
+products formed microbatch by microbatch (`jacobian.microbatched`).
+
+Float32: the sum over C microbatches adds ~√C·eps relative rounding next to the ~√P·eps of the
+whole-batch reduction, measured in tests/test_microbatch.py and docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from resconv_jax.analysis import jacobian, probe_running
+from resconv_jax.analysis.probe import SpectralProbe
+from resconv_jax.microbatch import Microbatches, zeros_like
+from resconv_jax.step import StepFunctions, chunk_loop, weighted_task_loss
+
+
+def _over_runs(fn, runs_per_chunk: int):
+    """fn(params, hp) of one run -> the same of all runs, stacked (R, ...): vmapped, or
+    `runs_per_chunk` runs at a time (lax.map)."""
+
+    def all_runs(params, hp):
+        if not runs_per_chunk or runs_per_chunk >= jax.tree.leaves(hp)[0].shape[0]:
+            return jax.vmap(fn)(params, hp)
+        return jax.lax.map(lambda run: fn(*run), (params, hp), batch_size=runs_per_chunk)
+
+    return all_runs
+
+
+def make_step_functions(
+    model,
+    optimizer: optax.GradientTransformation,
+    reduction: str,
+    steps_per_call: int,
+    *,
+    probe: SpectralProbe | None,
+    runs_per_chunk: int,
+    loss_kind: str,
+    microbatch_size: int,
+    data_shards: int,
+) -> StepFunctions:
+    """See `step.make_step_functions`; x and y are (P, ...) leaves split over 'data'."""
+    if probe is not None and not isinstance(probe, SpectralProbe):
+        raise TypeError("a microbatched step takes its probe as a probe.SpectralProbe")
+
+    def batches_of(tree) -> Microbatches:
+        num = jax.tree.leaves(tree)[0].shape[0]  # a validation set may not divide 'data'
+        return Microbatches(num, data_shards if num % data_shards == 0 else 1, microbatch_size)
+
+    def floats(params):
+        return jax.tree.leaves(params)[0].dtype
+
+    def grad_share(params, hp, x, y, weights, num, with_inter):
+        out = model.apply_for_grad(params, x, hp, return_intermediates=with_inter)
+        pred, inter = out if with_inter else (out, {})
+        return weighted_task_loss(pred, y, weights, num, reduction, loss_kind), inter
+
+    def eval_share(params, hp, x, y, weights, num):
+        pred = model.apply(params, x, hp)
+        return weighted_task_loss(pred, y, weights, num, reduction, loss_kind)
+
+    def gradient(params, hp, x, y, with_probe: bool):
+        """(R,) losses, the (R, ...) gradients and the probe's values (or None)."""
+        batches = batches_of(y)
+        value_and_grad = jax.value_and_grad(grad_share, has_aux=True)
+
+        def part(k):
+            xk, yk = batches.take(x, k), batches.take(y, k)
+            weights = batches.weights(k, floats(params))
+
+            def one_run(p, h):
+                return value_and_grad(p, h, xk, yk, weights, batches.num_samples, with_probe)
+
+            (loss, inter), grads = _over_runs(one_run, runs_per_chunk)(params, hp)
+            return loss, grads, inter, weights
+
+        loss_shape, grads_shape, inter_shape, _ = jax.eval_shape(part, 0)
+        running = probe_running.start(probe, inter_shape) if with_probe else None
+
+        def body(k, carry):
+            loss, grads, running = carry
+            loss_k, grads_k, inter, weights = part(k)
+            if with_probe:
+                running = probe_running.update(probe, running, inter, weights)
+            return loss + loss_k, jax.tree.map(jnp.add, grads, grads_k), running
+
+        init = (zeros_like(loss_shape), zeros_like(grads_shape), running)
+        loss, grads, running = jax.lax.fori_loop(0, batches.count, body, init)
+        if not with_probe:
+            return loss, grads, None
+        seq_len = inter_shape["z"].shape[3]
+        return loss, grads, probe_running.finish(probe, running, batches.num_samples, seq_len)
+
+    def any_step(state, hp, x, y, with_probe: bool):
+        params = state["params"]
+        loss, grads, probed = gradient(params, hp, x, y, with_probe)
+        updates, opt_state = jax.vmap(optimizer.update)(grads, state["opt_state"], params)
+        params = jax.vmap(optax.apply_updates)(params, updates)
+        metrics = {"loss": loss, "grad_norm": jax.vmap(optax.tree.norm)(grads)}
+        return {"params": params, "opt_state": opt_state}, metrics, probed
+
+    def step(state, hp, x, y):
+        state, metrics, _ = any_step(state, hp, x, y, False)
+        return state, metrics, {}
+
+    def probed_step(state, hp, x, y):
+        return any_step(state, hp, x, y, probe is not None)
+
+    def evaluate(params, hp, x, y):
+        batches = batches_of(y)
+
+        def part(k):
+            xk, yk = batches.take(x, k), batches.take(y, k)
+            weights = batches.weights(k, floats(params))
+            share = _over_runs(
+                lambda p, h: eval_share(p, h, xk, yk, weights, batches.num_samples),
+                runs_per_chunk,
+            )
+            return share(params, hp)
+
+        return batches.sum(part, zeros_like(jax.eval_shape(part, 0)))
+
+    def predict(params, hp, x):
+        return model.apply(params, x, hp)
+
+    def error(params, hp, x, labels):
+        batches = batches_of(labels)
+
+        def part(k):
+            xk, labels_k = batches.take(x, k), batches.take(labels, k)
+            weights = batches.weights(k, floats(params))
+
+            def wrong(p, h):
+                missed = jnp.argmax(predict(p, h, xk), axis=-1) != labels_k
+                return jnp.sum(weights * missed)
+
+            return _over_runs(wrong, runs_per_chunk)(params, hp)
+
+        return batches.sum(part, zeros_like(jax.eval_shape(part, 0))) / batches.num_samples
+
+    def loss(params, hp, x, y):
+        return evaluate(jax.tree.map(lambda a: a[None], params), jax.tree.map(jnp.atleast_1d, hp), x, y)[0]
+
+    def linearize(params, hp, x):
+        return jacobian.microbatched(lambda p, xk: predict(p, hp, xk), params, x, batches_of(x))
+
+    return StepFunctions(
+        loss=loss,
+        step=step,
+        evaluate=evaluate,
+        error=error,
+        run_steps=chunk_loop(step, probed_step, steps_per_call),
+        predict=predict,
+        linearize=linearize,
+    )

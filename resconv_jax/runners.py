@@ -148,9 +148,10 @@ def _fitting_size(need_at, shard: int, have: int, known: tuple[int, int]) -> int
 def compile_chunks(make_runners, requested, shard: int, mesh) -> tuple[ChunkRunners, int]:
     """The compiled chunks and the microbatch size they use, for train.microbatch_size
     `requested` (0: the whole batch, n > 0, or "auto": the whole batch if it fits, else the
-    largest n that does, from XLA's memory analysis). `make_runners(microbatch_size=n)` compiles `ChunkRunners`
-    at size n; `shard` is the samples of one 'data' shard. Raises ConfigError (one line, naming
-    the largest size that would fit) when the chunks do not fit the devices' free memory."""
+    largest n that does, from XLA's memory analysis). `make_runners(microbatch_size=n)` compiles
+    `ChunkRunners` at size n; `shard` is the samples of one 'data' shard. Raises ConfigError (one
+    line, naming the largest size that would fit) when the chunks do not fit the devices' free
+    memory."""
 
     def need_at(size: int) -> int:
         return memory.compiled_need(make_runners(microbatch_size=size).largest, mesh)[1]
@@ -170,8 +171,7 @@ def compile_chunks(make_runners, requested, shard: int, mesh) -> tuple[ChunkRunn
                 return runners, fitting
             fitting = int(fitting * 0.8)
     advice = (
-        "even train.microbatch_size=1 does not fit: reduce the model's widths or the number of "
-        "runs"
+        "even train.microbatch_size=1 does not fit: reduce the model's widths or the number of runs"
         if not fitting
         else f"train.microbatch_size={fitting} (samples per device per microbatch) would fit, "
         "estimated from XLA's memory analysis; or reduce the model's widths or the runs"

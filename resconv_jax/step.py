@@ -79,7 +79,12 @@ def task_loss(pred: jax.Array, target: jax.Array, reduction: str, kind: str) -> 
 
 
 def weighted_task_loss(
-    pred: jax.Array, target: jax.Array, weights: jax.Array, num_samples: int, reduction: str, kind: str
+    pred: jax.Array,
+    target: jax.Array,
+    weights: jax.Array,
+    num_samples: int,
+    reduction: str,
+    kind: str,
 ) -> jax.Array:
     """`task_loss`'s share of the samples of one microbatch of a batch of `num_samples`: each
     sample's loss times its weight (n,) (1: counted here, 0: counted by another microbatch),
@@ -223,9 +228,7 @@ def make_step_functions(
         error=jax.vmap(error, in_axes=(0, 0, None, None)),
         run_steps=chunk_loop(step, probed_step, steps_per_call),
         predict=predict,
-        linearize=lambda params, hp, x: jacobian.of_function(
-            lambda p: predict(p, hp, x), params
-        ),
+        linearize=lambda params, hp, x: jacobian.of_function(lambda p: predict(p, hp, x), params),
     )
 
 

@@ -148,7 +148,8 @@ def make_step_functions(
         return batches.sum(part, zeros_like(jax.eval_shape(part, 0))) / batches.num_samples
 
     def loss(params, hp, x, y):
-        return evaluate(jax.tree.map(lambda a: a[None], params), jax.tree.map(jnp.atleast_1d, hp), x, y)[0]
+        one_run = jax.tree.map(lambda a: a[None], params), jax.tree.map(jnp.atleast_1d, hp)
+        return evaluate(*one_run, x, y)[0]
 
     def linearize(params, hp, x):
         return jacobian.microbatched(lambda p, xk: predict(p, hp, xk), params, x, batches_of(x))

@@ -37,7 +37,7 @@ from resconv_jax.finished import RUNS_FILE, SUMMARY_FILE, refuse_fewer_steps
 from resconv_jax.loop import LoopSettings, Program, run_loop
 from resconv_jax.models import Model, RunSettings, build_model, model_module
 from resconv_jax.runners import ChunkRunners, check_runs_per_chunk, compile_chunks
-from resconv_jax.runtime import memory, multihost, signals
+from resconv_jax.runtime import multihost, signals
 from resconv_jax.runtime import workdir as wd
 from resconv_jax.runtime.checkpoint import Checkpointer, checkpoint_losses_finite
 from resconv_jax.runtime.metrics import (

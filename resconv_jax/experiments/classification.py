@@ -148,7 +148,7 @@ EXPERIMENTS = (
         "sst2",
         "SST-2, pretrained GPT-2",
         "sst2.py",
-        scale_variants(),
+        scale_variants(paper="full"),
         claims=(ClaimCheck(5.2, sst2_ordering),),
         files=_FILES,
         label="pretrained GPT-2",

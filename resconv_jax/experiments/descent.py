@@ -224,7 +224,7 @@ EXPERIMENTS = (
         "jena",
         "Jena Climate β sweep",
         "jena.py",
-        scale_variants(),
+        scale_variants(paper="full"),
         claims=(ClaimCheck(5.1, jena_descent),),
         files=(TABLE_FILE, "descent_by_beta.png", "beta_table.csv", "loss_by_beta.png"),
     ),

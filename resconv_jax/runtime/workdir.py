@@ -328,7 +328,9 @@ def _stamp() -> str:
     return f"{os.getpid()} {socket.gethostname()} {time.strftime('%Y-%m-%dT%H:%M:%S')}\n"
 
 
-RESUMABLE_CHANGES = ("train.num_steps", "train.print_every")
+# train.microbatch_size: the same GD step in other microbatches (float rounding aside), e.g. on a
+# device with less memory.
+RESUMABLE_CHANGES = ("train.num_steps", "train.print_every", "train.microbatch_size")
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:

@@ -1,0 +1,212 @@
+"""Full-batch GD in microbatches: memory flat in P, step time linear in P (train.microbatch_size).
+
+    python -m benchmarks.scaling                          # both models, P = 256 ... 16384 (~6 min)
+    python -m benchmarks.scaling --models transformer --sizes 256,1024 --repeats 3
+    python -m benchmarks.scaling --microbatch 128 --no-whole
+
+Models: "gpt2", a random GPT-2 (width 64, 4 heads, L = 4 blocks, T = 16 tokens) on the first P
+bundled GLUE SST-2 train sentences; "transformer", the paper's model (d = 32, M = 16, d_qk = 16,
+d_h = 64, L = 2) on P Gaussian samples. One run (β = 1) each, plain GD, the library's compiled
+chunk (`train.build_program`: the chunk of train.log_every = 1 step, probe off) on one device.
+
+Each case runs in a fresh process, so that its peak RSS (`ru_maxrss`) is its own. Reported per
+case: XLA's temporaries of the compiled step (`memory_analysis().temp_size_in_bytes`), the
+process's peak RSS, the median step time over `--repeats` steps (after one warm-up step), and the
+time per sample. The microbatched cases (a fixed `--microbatch` n) are compared with the smallest
+P (memory: ratio largest/smallest, the target ≤ 1.25) and with each other (time/P: spread around
+the mean, the target ±15 %), and with the whole batch at once ("whole", where it fits) at the
+same P in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+from benchmarks.common import REPO, load_average, machine, table
+
+SIZES = (256, 1024, 4096, 16384)
+
+
+def case_config(model: str, num_samples: int, microbatch: int):
+    """The config of one case: `model`, P samples, train.microbatch_size."""
+    from resconv_jax.config_defaults import base_config, load_config_file
+
+    overrides = {
+        "train.num_steps": 1000,
+        "train.log_every": 1,
+        "train.print_every": 1,
+        "train.checkpoint_every": 1000,
+        "train.microbatch_size": microbatch,
+        "train.runs_per_chunk": 0,
+        "probe.enabled": False,
+        "sweep.beta": (),
+    }
+    if model == "gpt2":
+        config = load_config_file(
+            str(REPO / "configs" / "sst2.py"),
+            "full",
+            **overrides,
+            **{
+                "model.gpt2.weights": "random",
+                "sweep.num_layers": (),
+                "model.num_layers": 4,
+                "data.num_train": num_samples,
+                "data.max_tokens": 16,
+            },
+        )
+        with config.unlocked():
+            config.model.gpt2.shape.update(n_embd=64, n_head=4, n_layer=4, n_positions=16)
+        return config
+    config = base_config()
+    config.update_from_flattened_dict(
+        overrides
+        | {
+            "data.num_samples": num_samples,
+            "data.seq_len": 16,
+            "data.dim": 32,
+            "model.num_layers": 2,
+            "model.transformer.d_qk": 16,
+            "model.transformer.d_h": 64,
+            "optim.lr": 1e-5,
+        }
+    )
+    return config
+
+
+def run_case(model: str, num_samples: int, microbatch: int, repeats: int) -> dict:
+    """Builds and times one case in this process; the JSON-able record."""
+    import jax
+    import jax.numpy as jnp
+
+    from resconv_jax import train
+
+    program = train.build_program(case_config(model, num_samples, microbatch))
+    chunk = program.runners.at(0)
+    state = program.state
+    times = []
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        state, buffers = chunk(state, program.hp, program.x, program.y, jnp.int32(1))
+        jax.block_until_ready(buffers)
+        if i:  # the first call is the warm-up
+            times.append(time.perf_counter() - start)
+    analysis = program.runners.largest.memory_analysis()
+    return {
+        "model": model,
+        "P": num_samples,
+        "microbatch": microbatch,
+        "temp_bytes": analysis.temp_size_in_bytes,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "step_seconds": statistics.median(times),
+        "loss": float(buffers["loss"][0, 0]),
+    }
+
+
+def in_subprocess(model: str, num_samples: int, microbatch: int, repeats: int) -> dict | None:
+    """`run_case` in a fresh Python; None (with its last line printed) when it fails."""
+    args = [sys.executable, "-m", "benchmarks.scaling", "--case"]
+    args += [f"{model},{num_samples},{microbatch}", "--repeats", str(repeats)]
+    done = subprocess.run(args, cwd=REPO, capture_output=True, text=True)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode or not lines:
+        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        print(f"  {model} P={num_samples} microbatch={microbatch}: failed: {last}", flush=True)
+        return None
+    return json.loads(lines[-1])
+
+
+def mib(num: float) -> str:
+    return f"{num / 2**20:.1f}"
+
+
+def report(records: list[dict], model: str, microbatch: int) -> list[str]:
+    """The model's table and its verdict lines."""
+    parts = sorted((r for r in records if r["microbatch"] == microbatch), key=lambda r: r["P"])
+    whole = {r["P"]: r for r in records if r["microbatch"] == 0}
+    if not parts:
+        return [f"{model}: no microbatched case ran"]
+    per_sample = [r["step_seconds"] / r["P"] for r in parts]
+    mean = statistics.mean(per_sample)
+    rows = []
+    for r, t in zip(parts, per_sample, strict=True):
+        w = whole.get(r["P"])
+        rows.append(
+            [
+                r["P"],
+                mib(r["temp_bytes"]),
+                mib(r["peak_rss_bytes"]),
+                f"{r['step_seconds'] * 1e3:.1f}",
+                f"{t * 1e6:.1f} ({100 * (t / mean - 1):+.0f} %)",
+                "-" if w is None else mib(w["temp_bytes"]),
+                "-" if w is None else mib(w["peak_rss_bytes"]),
+                "-" if w is None else f"{r['step_seconds'] / w['step_seconds']:.2f}",
+            ]
+        )
+    headers = [
+        "P",
+        "temp MiB",
+        "peak RSS MiB",
+        "step ms",
+        "µs per sample (vs mean)",
+        "whole: temp MiB",
+        "whole: RSS MiB",
+        "time / whole",
+    ]
+    temp = [r["temp_bytes"] for r in parts]
+    rss = [r["peak_rss_bytes"] for r in parts]
+    spread = max(abs(t / mean - 1) for t in per_sample)
+    verdicts = [
+        f"temp memory largest/smallest {max(temp) / min(temp):.2f} (target ≤ 1.25): "
+        f"{'met' if max(temp) <= 1.25 * min(temp) else 'NOT met'}",
+        f"peak RSS largest/smallest {max(rss) / min(rss):.2f} (target ≤ 1.25): "
+        f"{'met' if max(rss) <= 1.25 * min(rss) else 'NOT met'}",
+        f"time per sample within {100 * spread:.0f} % of the mean (target ±15 %): "
+        f"{'met' if spread <= 0.15 else 'NOT met'}",
+    ]
+    title = f"### {model}, microbatches of {microbatch}"
+    return [title, "", table(headers, rows), "", *[f"- {v}" for v in verdicts], ""]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="gpt2,transformer")
+    parser.add_argument("--sizes", default=",".join(str(p) for p in SIZES))
+    parser.add_argument("--microbatch", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-whole", action="store_true", help="skip the whole-batch baseline")
+    parser.add_argument("--case", help=argparse.SUPPRESS)  # MODEL,P,MICROBATCH: one case
+    args = parser.parse_args()
+    if args.case:
+        model, num_samples, microbatch = args.case.split(",")
+        print(json.dumps(run_case(model, int(num_samples), int(microbatch), args.repeats)))
+        return
+    sizes = [int(p) for p in args.sizes.split(",")]
+    print(f"machine: {machine()}; load average {load_average()}", flush=True)
+    records = []
+    for model in args.models.split(","):
+        for num_samples in sizes:
+            for microbatch in (args.microbatch, *(() if args.no_whole else (0,))):
+                record = in_subprocess(model, num_samples, microbatch, args.repeats)
+                if record is not None:
+                    records.append(record)
+                    print(
+                        f"  {model} P={num_samples} microbatch={microbatch}: "
+                        f"{record['step_seconds'] * 1e3:.1f} ms/step, temp "
+                        f"{mib(record['temp_bytes'])} MiB, RSS {mib(record['peak_rss_bytes'])} MiB",
+                        flush=True,
+                    )
+    print()
+    for model in args.models.split(","):
+        ran = [r for r in records if r["model"] == model]
+        print("\n".join(report(ran, model, args.microbatch)))
+    print(f"load average after: {load_average()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -45,7 +45,7 @@ from resconv_jax.errors import (  # noqa: E402
     exit_with,
     one_line,
 )
-from resconv_jax.runtime import multihost  # noqa: E402
+from resconv_jax.runtime import compile_cache, multihost  # noqa: E402
 from resconv_jax.validation import check_sections, renamed_flag, wants_float64  # noqa: E402
 
 EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_BUSY, EXIT_WRITE_FAILED, EXIT_LOST_PROCESS = 1, 2, 3, 4, 5
@@ -58,6 +58,12 @@ _COORDINATOR = flags.DEFINE_string(
 )
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in a multi-process run.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index, 0 .. N-1.")
+_COMPILATION_CACHE = flags.DEFINE_string(
+    "compilation_cache",
+    "",
+    "Folder of JAX's persistent compilation cache (a rerun loads what was compiled before), "
+    "or 'off'. Default: $RESCONV_JAX_COMPILATION_CACHE, else ~/.cache/resconv_jax/jax.",
+)
 _HEARTBEAT = flags.DEFINE_integer(
     "heartbeat_timeout",
     100,
@@ -208,6 +214,7 @@ def _main(argv: list[str]) -> None:
         _watchdog = multihost.PeerWatchdog(_on_lost_process, lost_after).start()
         _quiet_stdout(print_here=jax.process_index() == 0)
     logging.set_verbosity(logging.WARNING)
+    compile_cache.enable(_COMPILATION_CACHE.value)
     try:
         config = _CONFIG.value
         config.task  # noqa: B018 - config_flags loads the file on first access

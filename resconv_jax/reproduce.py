@@ -52,6 +52,7 @@ from resconv_jax.errors import (  # noqa: E402
 from resconv_jax.experiments import claims  # noqa: E402
 from resconv_jax.experiments.claims import Claim  # noqa: E402
 from resconv_jax.experiments.record import SCALES, Experiment  # noqa: E402
+from resconv_jax.runtime import compile_cache  # noqa: E402
 from resconv_jax.runtime import workdir as wd  # noqa: E402
 from resconv_jax.runtime.workdir import read_saved_config  # noqa: E402
 from resconv_jax.validation import check_workdir  # noqa: E402
@@ -316,6 +317,11 @@ def _define_flags() -> None:
     flags.DEFINE_string(
         "readme", None, "Also write the claims table into this file's marked block (README.md)."
     )
+    flags.DEFINE_string(
+        "compilation_cache",
+        "",
+        "Folder of JAX's persistent compilation cache, or 'off' (as resconv_jax.main's flag).",
+    )
     flags.mark_flags_as_required(["workdir"])
 
 
@@ -331,6 +337,7 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         exit_with(f"unexpected arguments: {' '.join(argv[1:])}", 2)
     logging.set_verbosity(logging.WARNING)
+    compile_cache.enable(flags.FLAGS.compilation_cache)
     workdir, scale, readme = flags.FLAGS.workdir, flags.FLAGS.scale, flags.FLAGS.readme
     try:
         check_workdir(workdir)

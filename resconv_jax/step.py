@@ -121,6 +121,7 @@ class StepFunctions:
     evaluate: Callable  # (params, hp, x, y) -> (R,) losses, all runs
     error: Callable  # (params, hp, x, labels) -> (R,) fraction misclassified, all runs
     run_steps: Callable  # (state, hp, x, y, num_steps) -> (state, buffers)
+    gradient: Callable  # (params, hp, x, y) -> ((R,) losses, (R, ...) gradients), all runs
     predict: Callable  # (params, hp, x) -> F(X), one run, the whole batch at once
     linearize: Callable  # (params, hp, x) -> jacobian.JacobianOps of one run (the certificate)
 
@@ -227,6 +228,7 @@ def make_step_functions(
         evaluate=evaluate,
         error=jax.vmap(error, in_axes=(0, 0, None, None)),
         run_steps=chunk_loop(step, probed_step, steps_per_call),
+        gradient=jax.vmap(jax.value_and_grad(loss), in_axes=(0, 0, None, None)),
         predict=predict,
         linearize=lambda params, hp, x: jacobian.of_function(lambda p: predict(p, hp, x), params),
     )

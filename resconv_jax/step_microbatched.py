@@ -8,8 +8,9 @@ once. The probe of a chunk's first step is accumulated over the same microbatche
 (`probe_running`), evaluate and error sum over microbatches, and the tangent kernel sees J through
 products formed microbatch by microbatch (`jacobian.microbatched`).
 
-Float32: the sum over C microbatches adds ~√C·eps relative rounding next to the ~√P·eps of the
-whole-batch reduction, measured in tests/test_microbatch.py and docs/protocol.md.
+Float32: the shares are summed without compensation, a blocked summation; on
+configs/jena.py:full its gradient is closer to float64's than the whole batch's single reduction
+(1e-7 against 1e-6 relative; `docs/measure_accumulation.py`, figures in docs/protocol.md).
 """
 
 from __future__ import annotations
@@ -160,6 +161,7 @@ def make_step_functions(
         evaluate=evaluate,
         error=error,
         run_steps=chunk_loop(step, probed_step, steps_per_call),
+        gradient=lambda params, hp, x, y: gradient(params, hp, x, y, False)[:2],
         predict=predict,
         linearize=linearize,
     )

@@ -12,9 +12,7 @@ chunk (`train.build_program`: the chunk of train.log_every = 1 step, probe off) 
 Each case runs in a fresh process, so that its peak RSS (`ru_maxrss`) is its own. Reported per
 case: XLA's temporaries of the compiled step (`memory_analysis().temp_size_in_bytes`), the
 process's peak RSS, the median step time over at least `--repeats` steps and 2 s (after one
-warm-up step), and the time per sample; a line fitted to the step times gives the fixed cost of a
-step (the optimizer's update, the gradient's norm: a share that no P-linear part hides at small
-P). The microbatched cases (a fixed `--microbatch` n) are compared with the smallest
+warm-up step), and the time per sample. The microbatched cases (a fixed `--microbatch` n) are compared with the smallest
 P (memory: ratio largest/smallest, the target ≤ 1.25) and with each other (time/P: spread around
 the mean, the target ±15 %), and with the whole batch at once ("whole", where it fits) at the
 same P in the same run.
@@ -29,8 +27,6 @@ import statistics
 import subprocess
 import sys
 import time
-
-import numpy as np
 
 from benchmarks.common import REPO, load_average, machine, table
 
@@ -174,11 +170,6 @@ def report(records: list[dict], model: str, microbatch: int) -> list[str]:
         f"time per sample within {100 * spread:.0f} % of the mean (target ±15 %): "
         f"{'met' if spread <= 0.15 else 'NOT met'}",
     ]
-    slope, fixed = np.polyfit([r["P"] for r in parts], [r["step_seconds"] for r in parts], 1)
-    verdicts.append(
-        f"fitted step time {fixed * 1e3:.1f} ms + {slope * 1e6:.1f} µs × P (the fixed part is "
-        f"{100 * fixed / parts[0]['step_seconds']:.0f} % of the smallest P's step)"
-    )
     title = f"### {model}, microbatches of {microbatch}"
     return [title, "", table(headers, rows), "", *[f"- {v}" for v in verdicts], ""]
 

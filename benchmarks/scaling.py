@@ -12,10 +12,10 @@ chunk (`train.build_program`: the chunk of train.log_every = 1 step, probe off) 
 Each case runs in a fresh process, so that its peak RSS (`ru_maxrss`) is its own. Reported per
 case: XLA's temporaries of the compiled step (`memory_analysis().temp_size_in_bytes`), the
 process's peak RSS, the median step time over at least `--repeats` steps and 2 s (after one
-warm-up step), and the time per sample. The microbatched cases (a fixed `--microbatch` n) are compared with the smallest
-P (memory: ratio largest/smallest, the target ≤ 1.25) and with each other (time/P: spread around
-the mean, the target ±15 %), and with the whole batch at once ("whole", where it fits) at the
-same P in the same run.
+warm-up step), and the time per sample. The microbatched cases (a fixed `--microbatch` n) are
+compared with the smallest P (memory: ratio largest/smallest, the target ≤ 1.25) and with each
+other (time/P: spread around the mean, the target ±15 %), and with the whole batch at once
+("whole", where it fits) at the same P in the same run.
 """
 
 from __future__ import annotations

@@ -31,11 +31,16 @@ def folder(setting: str = "") -> str | None:
 
 
 def enable(setting: str = "") -> str | None:
-    """Turns the cache on at `folder(setting)`; returns the folder, or None when it is off."""
+    """Turns the cache on at `folder(setting)`; returns the folder, or None when it is off.
+
+    When the folder is JAX's own $JAX_COMPILATION_CACHE_DIR, JAX's settings are left as they are
+    (a cache that another program configured, e.g. a test session's)."""
     where = folder(setting)
     if where is None:
         jax.config.update("jax_enable_compilation_cache", False)
         return None
+    if not setting and not os.environ.get(ENV) and os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return where
     jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", where)
     jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)

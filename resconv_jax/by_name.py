@@ -38,6 +38,18 @@ def import_named(package: str, name: str, names: tuple[str, ...], refusal: Excep
     return importlib.import_module(f"{package}.{name}")
 
 
+def import_providing(
+    package: str, path, name: str, functions: tuple[str, ...]
+) -> ModuleType | None:
+    """The module `package.name` if it exists and defines every one of `functions`, importing no
+    other module of the package; None otherwise."""
+    names = {info.name for info in pkgutil.iter_modules(path) if not info.name.startswith("_")}
+    if name not in names:
+        return None
+    module = importlib.import_module(f"{package}.{name}")
+    return module if provides(module, functions) else None
+
+
 def provides(module: ModuleType, functions: tuple[str, ...]) -> bool:
     """Whether `module` defines every one of `functions` as a callable."""
     return all(callable(getattr(module, name, None)) for name in functions)

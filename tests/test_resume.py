@@ -131,3 +131,23 @@ def test_fewer_steps_than_a_run_has_is_refused_touching_nothing(tmp_path, sweep)
     with pytest.raises(ValueError, match="trained to step 20, beyond train.num_steps=10"):
         train.run(fewer, str(tmp_path))
     assert _files(tmp_path) == before
+
+
+def test_a_finished_run_is_reported_again_without_building_anything(tmp_path, capsys, monkeypatch):
+    """main's rerun of a finished, intact run (experiments.run_task with reuse_finished) reads
+    its files: train.run is not called, the summaries are those of the run; a damaged record
+    (summary.json gone) goes through train.run, which resumes and rewrites it."""
+    from resconv_jax import experiments
+
+    config = load_config_file(TINY, **{"train.num_steps": 20, "train.async_checkpoints": False})
+    first = experiments.run_task(config, str(tmp_path))
+    calls = []
+    real_run = train.run
+    monkeypatch.setattr(train, "run", lambda *args: calls.append(args) or real_run(*args))
+    capsys.readouterr()
+    again = experiments.run_task(config, str(tmp_path), reuse_finished=True)
+    assert not calls and "finished and intact: nothing to train" in capsys.readouterr().out
+    assert [s["final_loss"] for s in again] == pytest.approx([s["final_loss"] for s in first])
+    (tmp_path / "summary.json").unlink()
+    experiments.run_task(config, str(tmp_path), reuse_finished=True)
+    assert len(calls) == 1 and (tmp_path / "summary.json").exists()

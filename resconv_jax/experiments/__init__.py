@@ -18,12 +18,17 @@ from here.
 from __future__ import annotations
 
 import functools
+import json
+import math
 from types import ModuleType
 
 import jax
 
-from resconv_jax.by_name import import_named, modules_providing, package_modules
+from resconv_jax.by_name import import_providing, modules_providing, package_modules
 from resconv_jax.errors import ConfigError
+from resconv_jax.finished import SUMMARY_FILE
+from resconv_jax.runtime import workdir as wd
+from resconv_jax.validation import validate_config
 
 _TASK_FUNCTIONS = ("run", "report", "why_unfinished", "describe_sizes")
 
@@ -36,8 +41,10 @@ def task_names() -> tuple[str, ...]:
 
 def task_module(name: str) -> ModuleType:
     """The module of task `name`; ConfigError (one line) naming the tasks for any other."""
-    refusal = ConfigError(f"config.task={name!r}: expected one of {', '.join(task_names())}")
-    return import_named(__name__, name, task_names(), refusal)
+    module = import_providing(__name__, __path__, name, _TASK_FUNCTIONS)  # the others unimported
+    if module is None:
+        raise ConfigError(f"config.task={name!r}: expected one of {', '.join(task_names())}")
+    return module
 
 
 @functools.cache
@@ -49,13 +56,43 @@ def experiment_list() -> tuple:
     return tuple(sorted(records, key=lambda record: record.rank))
 
 
-def run_task(config, workdir: str) -> list[dict]:
+def run_task(config, workdir: str, *, reuse_finished: bool = False) -> list[dict]:
     """Runs `config.task` in `workdir` and prints its report's tables (process 0); returns the
     per-run summaries. Raises what the task raises (`train.run`: see there), with nothing
-    reported."""
+    reported.
+
+    `reuse_finished` (one process only): when the workdir already holds this config's finished,
+    intact result (the task's `why_unfinished`, from the files alone), nothing is built or
+    compiled: the report is written again from the files and the summaries read back.
+    """
     task = task_module(config.task)
-    summaries = task.run(config, workdir)
+    if reuse_finished and _holds_finished(task, config, workdir):
+        print(
+            f"--workdir={workdir} holds this config's run, finished and intact: nothing to "
+            "train (a new --workdir trains it again)",
+            flush=True,
+        )
+        summaries = read_summaries(workdir)
+    else:
+        summaries = task.run(config, workdir)
     if jax.process_index() == 0:
         for table in task.report(workdir):
             print(table, flush=True)
     return summaries
+
+
+def _holds_finished(task: ModuleType, config, workdir: str) -> bool:
+    if jax.process_count() > 1 or not wd.path(workdir).is_dir():
+        return False
+    validate_config(config)
+    return task.why_unfinished(config, workdir) is None
+
+
+def read_summaries(workdir: str) -> list[dict]:
+    """The per-run summaries of a finished workdir (its summary.json, null read back as NaN; []
+    when it has none, as a task that trains nothing)."""
+    target = wd.path(workdir) / SUMMARY_FILE
+    if not target.exists():
+        return []
+    summaries = json.loads(target.read_text())
+    return [{k: math.nan if v is None else v for k, v in s.items()} for s in summaries]

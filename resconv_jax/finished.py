@@ -3,18 +3,22 @@
 `reproduce` reuses a run only when `why_unfinished` finds nothing wrong: the checks a resume makes
 (config.json is this config's, metrics.jsonl holds every run's line at every logged step up to
 train.num_steps and nothing else, the latest checkpoint's record of the lines before it matches
-them), and summary.json is what those lines give. Nothing is built, compiled or written.
+them, its arrays read and match the content hashes saved with them), and summary.json is what
+those lines give. No model is built and nothing is written.
 """
 
 from __future__ import annotations
 
 import json
 
+import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from resconv_jax.analysis.summary import fit_floor, run_summaries
 from resconv_jax.errors import ConfigError
 from resconv_jax.runtime import workdir as wd
+from resconv_jax.runtime.checkpoint import quiet_failed_io, state_digest
 from resconv_jax.runtime.metrics import METRICS_FILE, lines_digest, read_metrics_lines, valid_prefix
 from resconv_jax.runtime.workdir import CONFIG_FILE, json_safe, read_saved_config
 from resconv_jax.sweep import expand_runs, group_config, group_folder, group_runs
@@ -137,6 +141,23 @@ def _why_checkpoint_disagrees(folder, prefix) -> str | None:
     before = [text for text, record in prefix if record["step"] < steps[-1]]
     if saved is not None and saved != lines_digest(before):
         return f"{METRICS_FILE} was changed after the checkpoint of step {steps[-1]}"
+    digest = meta.get("digest") if isinstance(meta, dict) else None
+    state_dir = directory / str(steps[-1]) / "state"
+    quiet_failed_io()  # a damaged file's debris goes to the log, not to stderr
+    try:  # as saved (NumPy, no target): its leaves' content hashes, compared as a multiset
+        reader = ocp.PyTreeCheckpointer()
+        as_numpy = jax.tree.map(
+            lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
+            reader.metadata(state_dir).item_metadata.tree,
+            is_leaf=lambda node: not isinstance(node, dict | list | tuple),
+        )
+        state = reader.restore(state_dir, restore_args=as_numpy)
+        with jax.enable_x64(True):  # a float64 run's arrays hashed as float64, as when saved
+            hashes = sorted(state_digest(state).values())
+    except Exception:  # noqa: BLE001 - any failure to read means the resume decides
+        return f"the checkpoint of step {steps[-1]} cannot be read"
+    if digest is None or hashes != sorted(digest.values()):
+        return f"the checkpoint of step {steps[-1]} does not match its content hashes"
     return None
 
 

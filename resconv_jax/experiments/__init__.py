@@ -28,7 +28,7 @@ from resconv_jax.by_name import import_providing, modules_providing, package_mod
 from resconv_jax.errors import ConfigError
 from resconv_jax.finished import SUMMARY_FILE
 from resconv_jax.runtime import workdir as wd
-from resconv_jax.validation import validate_config
+from resconv_jax.validation import check_workdir, validate_config
 
 _TASK_FUNCTIONS = ("run", "report", "why_unfinished", "describe_sizes")
 
@@ -82,9 +82,10 @@ def run_task(config, workdir: str, *, reuse_finished: bool = False) -> list[dict
 
 
 def _holds_finished(task: ModuleType, config, workdir: str) -> bool:
+    validate_config(config)
+    check_workdir(workdir)  # a store that cannot be reached: its one line, before any read
     if jax.process_count() > 1 or not wd.path(workdir).is_dir():
         return False
-    validate_config(config)
     return task.why_unfinished(config, workdir) is None
 
 

@@ -81,7 +81,7 @@ def orbax_io_debris(record) -> bool:
     return not (orbax in record.pathname or orbax in record.getMessage())
 
 
-def _quiet_failed_io() -> None:
+def quiet_failed_io() -> None:
     """Installs, once, the filters that send a failed save's or restore's debris (reported in one
     line) to the log rather than to stderr as tracebacks: `orbax_io_debris` on the absl and
     asyncio loggers, and an unraisable hook; every other record and unraisable is as before."""
@@ -129,7 +129,7 @@ class Checkpointer:
         directory = (root.resolve() if wd.is_local(root) else root) / "checkpoints"
         self.directory = os.fspath(directory)
         self.on_save: Callable[[int], None] | None = None
-        _quiet_failed_io()  # installed up front: a failed save's debris precedes its exception
+        quiet_failed_io()  # installed up front: a failed save's debris precedes its exception
         options = ocp.CheckpointManagerOptions(
             save_interval_steps=every,
             max_to_keep=keep,

@@ -14,6 +14,7 @@ import json
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging
 
 from resconv_jax.analysis.summary import fit_floor, run_summaries
 from resconv_jax.errors import ConfigError
@@ -144,6 +145,8 @@ def _why_checkpoint_disagrees(folder, prefix) -> str | None:
     digest = meta.get("digest") if isinstance(meta, dict) else None
     state_dir = directory / str(steps[-1]) / "state"
     quiet_failed_io()  # a damaged file's debris goes to the log, not to stderr
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity(logging.ERROR)  # Orbax warns that the state has no metadata file
     try:  # as saved (NumPy, no target): its leaves' content hashes, compared as a multiset
         reader = ocp.PyTreeCheckpointer()
         as_numpy = jax.tree.map(
@@ -156,6 +159,8 @@ def _why_checkpoint_disagrees(folder, prefix) -> str | None:
             hashes = sorted(state_digest(state).values())
     except Exception:  # noqa: BLE001 - any failure to read means the resume decides
         return f"the checkpoint of step {steps[-1]} cannot be read"
+    finally:
+        logging.set_verbosity(verbosity)
     if digest is None or hashes != sorted(digest.values()):
         return f"the checkpoint of step {steps[-1]} does not match its content hashes"
     return None

@@ -101,6 +101,7 @@ def test_float64_theory_run_equals_the_whole_batch(tmp_path):
     assert assert_same_metrics(whole, parts, 1e-12) > 100
 
 
+@pytest.mark.slow
 def test_float64_random_gpt2_equals_the_whole_batch(tmp_path):
     """The random GPT-2 on 12 SST-2 sentences (2 shards of 6, microbatches of 4): the mean loss,
     errors, the probe over padded tokens, and Lanczos λ of the certificate, to 1e-12."""
@@ -135,6 +136,7 @@ def test_float64_random_gpt2_equals_the_whole_batch(tmp_path):
     assert assert_same_metrics(whole, parts, 1e-12) > 30
 
 
+@pytest.mark.slow
 def test_float32_run_equals_the_whole_batch_to_1e_5(tmp_path):
     """float32, 20 steps (before the β = 0 run's edge-of-stability wobble amplifies rounding)."""
     overrides = {"train.num_steps": 20, "mesh.data": 4}

@@ -10,6 +10,7 @@ those lines give. No model is built and nothing is written.
 from __future__ import annotations
 
 import json
+import os
 
 import jax
 import numpy as np
@@ -144,6 +145,8 @@ def _why_checkpoint_disagrees(folder, prefix) -> str | None:
         return f"{METRICS_FILE} was changed after the checkpoint of step {steps[-1]}"
     digest = meta.get("digest") if isinstance(meta, dict) else None
     state_dir = directory / str(steps[-1]) / "state"
+    if wd.is_local(state_dir):  # Orbax finds no metadata under a relative path
+        state_dir = wd.path(os.path.abspath(state_dir))
     quiet_failed_io()  # a damaged file's debris goes to the log, not to stderr
     verbosity = logging.get_verbosity()
     logging.set_verbosity(logging.ERROR)  # Orbax warns that the state has no metadata file

@@ -140,14 +140,15 @@ def test_a_finished_run_is_reported_again_without_building_anything(tmp_path, ca
     from resconv_jax import experiments
 
     config = load_config_file(TINY, **{"train.num_steps": 20, "train.async_checkpoints": False})
-    first = experiments.run_task(config, str(tmp_path))
+    monkeypatch.chdir(tmp_path)  # a relative --workdir, as users type it
+    first = experiments.run_task(config, "run")
     calls = []
     real_run = train.run
     monkeypatch.setattr(train, "run", lambda *args: calls.append(args) or real_run(*args))
     capsys.readouterr()
-    again = experiments.run_task(config, str(tmp_path), reuse_finished=True)
+    again = experiments.run_task(config, "run", reuse_finished=True)
     assert not calls and "finished and intact: nothing to train" in capsys.readouterr().out
     assert [s["final_loss"] for s in again] == pytest.approx([s["final_loss"] for s in first])
-    (tmp_path / "summary.json").unlink()
-    experiments.run_task(config, str(tmp_path), reuse_finished=True)
-    assert len(calls) == 1 and (tmp_path / "summary.json").exists()
+    (tmp_path / "run" / "summary.json").unlink()
+    experiments.run_task(config, "run", reuse_finished=True)
+    assert len(calls) == 1 and (tmp_path / "run" / "summary.json").exists()

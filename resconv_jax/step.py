@@ -126,6 +126,18 @@ class StepFunctions:
     linearize: Callable  # (params, hp, x) -> jacobian.JacobianOps of one run (the certificate)
 
 
+def over_runs(fn: Callable, runs_per_chunk: int) -> Callable:
+    """fn(a, hp) of one run -> the same of all runs, stacked (R, ...): vmapped over the leading
+    run axis of a and hp, or `runs_per_chunk` runs at a time (lax.map, vmapped within a chunk)."""
+
+    def all_runs(a, hp):
+        if not runs_per_chunk or runs_per_chunk >= jax.tree.leaves(hp)[0].shape[0]:
+            return jax.vmap(fn)(a, hp)
+        return jax.lax.map(lambda run: fn(*run), (a, hp), batch_size=runs_per_chunk)
+
+    return all_runs
+
+
 def make_step_functions(
     model: Model,
     optimizer: optax.GradientTransformation,
@@ -201,12 +213,8 @@ def make_step_functions(
         metrics = {"loss": value, "grad_norm": optax.tree.norm(grads)}
         return {"params": params, "opt_state": opt_state}, metrics, inter
 
-    vmapped_step = jax.vmap(step_one, in_axes=(0, 0, None, None))
-
     def step(state, hp, x, y):
-        if not runs_per_chunk or runs_per_chunk >= jax.tree.leaves(hp)[0].shape[0]:
-            return vmapped_step(state, hp, x, y)
-        return jax.lax.map(lambda run: step_one(*run, x, y), (state, hp), batch_size=runs_per_chunk)
+        return over_runs(lambda s, h: step_one(s, h, x, y), runs_per_chunk)(state, hp)
 
     evaluate = jax.vmap(loss, in_axes=(0, 0, None, None))
 

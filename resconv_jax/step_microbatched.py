@@ -22,19 +22,7 @@ import optax
 from resconv_jax.analysis import jacobian, probe_running
 from resconv_jax.analysis.probe import SpectralProbe
 from resconv_jax.microbatch import Microbatches, zeros_like
-from resconv_jax.step import StepFunctions, chunk_loop, weighted_task_loss
-
-
-def _over_runs(fn, runs_per_chunk: int):
-    """fn(params, hp) of one run -> the same of all runs, stacked (R, ...): vmapped, or
-    `runs_per_chunk` runs at a time (lax.map)."""
-
-    def all_runs(params, hp):
-        if not runs_per_chunk or runs_per_chunk >= jax.tree.leaves(hp)[0].shape[0]:
-            return jax.vmap(fn)(params, hp)
-        return jax.lax.map(lambda run: fn(*run), (params, hp), batch_size=runs_per_chunk)
-
-    return all_runs
+from resconv_jax.step import StepFunctions, chunk_loop, over_runs, weighted_task_loss
 
 
 def make_step_functions(
@@ -81,7 +69,7 @@ def make_step_functions(
             def one_run(p, h):
                 return value_and_grad(p, h, xk, yk, weights, batches.num_samples, with_probe)
 
-            (loss, inter), grads = _over_runs(one_run, runs_per_chunk)(params, hp)
+            (loss, inter), grads = over_runs(one_run, runs_per_chunk)(params, hp)
             return loss, grads, inter, weights
 
         loss_shape, grads_shape, inter_shape, _ = jax.eval_shape(part, 0)
@@ -122,7 +110,7 @@ def make_step_functions(
         def part(k):
             xk, yk = batches.take(x, k), batches.take(y, k)
             weights = batches.weights(k, floats(params))
-            share = _over_runs(
+            share = over_runs(
                 lambda p, h: eval_share(p, h, xk, yk, weights, batches.num_samples),
                 runs_per_chunk,
             )
@@ -144,7 +132,7 @@ def make_step_functions(
                 missed = jnp.argmax(predict(p, h, xk), axis=-1) != labels_k
                 return jnp.sum(weights * missed)
 
-            return _over_runs(wrong, runs_per_chunk)(params, hp)
+            return over_runs(wrong, runs_per_chunk)(params, hp)
 
         return batches.sum(part, zeros_like(jax.eval_shape(part, 0))) / batches.num_samples
 

@@ -269,6 +269,7 @@ def _build(config, parts: _Parts, runs) -> Program:
         data_shards=mesh.shape["data"],
     )
     params = model.init_runs([run.seed for run in runs])
+    state = sharding.put_tree(_state(params, runs, optimizer), on_runs)
     t0 = time.perf_counter()
     runners, microbatch_size = compile_chunks(
         functools.partial(
@@ -276,7 +277,7 @@ def _build(config, parts: _Parts, runs) -> Program:
             make_fns,
             probe_fn,
             mesh,
-            (sharding.put_tree(_state(params, runs, optimizer), on_runs), hp, x, y),
+            (state, hp, x, y),
             log_every=config.train.log_every,
             runs_per_chunk=config.train.runs_per_chunk,
             probe_every=config.probe.every,
@@ -298,9 +299,9 @@ def _build(config, parts: _Parts, runs) -> Program:
             max_entries=config.certificate.max_jacobian_entries,
             iterations=config.certificate.lanczos_iterations,
         )
-    if config.optim.lr_rule == "lambda_max":
+    if config.optim.lr_rule == "lambda_max":  # the same shapes: the chunks stay as compiled
         runs = with_kernel_lrs(config.optim.lr_factor, runs, kernel, params, hp, x)
-    state = sharding.put_tree(_state(params, runs, optimizer), on_runs)
+        state = sharding.put_tree(_state(params, runs, optimizer), on_runs)
 
     def lambda_max_at_init():
         initial = sharding.put_tree(model.init_runs([run.seed for run in runs]), on_runs)

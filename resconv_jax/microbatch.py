@@ -83,7 +83,8 @@ class Microbatches:
 
     def describe(self) -> str:
         """'microbatches of n samples per device (k per step)'."""
-        return f"microbatches of {self.size} samples per device ({self.count} per step)"
+        samples = "sample" if self.size == 1 else "samples"
+        return f"microbatches of {self.size} {samples} per device ({self.count} per step)"
 
 
 def zeros_like(tree):

@@ -18,6 +18,7 @@ Every failure is one line on stderr; exit statuses:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import traceback
@@ -150,24 +151,31 @@ def main(argv: list[str]) -> None:
         _main(argv)
     except SystemExit as exit_:
         status = exit_.code if isinstance(exit_.code, int) else 1
-        _watchdog_finish(status)
         # Multi-process: not JAX's exit-time shutdown, which waits for every process. A failed
         # write: Orbax's threads of a checkpoint that failed would block the interpreter's exit.
         if status == EXIT_WRITE_FAILED or (_watchdog is not None and status):
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(status)
+            _exit_now(status)
+        _watchdog_finish(status)
         raise
     except Exception:
         if _watchdog is None:
             raise
         # Multi-process: a collective fails when another process dies; name it if so (exit 5).
         _watchdog.wait_for_loss()
-        traceback.print_exc()
-        _watchdog_finish(1)
-        sys.stderr.flush()
-        os._exit(1)  # JAX's exit-time shutdown would wait for the other processes, then abort
+        with contextlib.suppress(OSError):  # stderr itself may be what failed (a closed pipe)
+            traceback.print_exc()
+        _exit_now(1)  # JAX's exit-time shutdown would wait for the other processes forever
     _watchdog_finish(0)
+
+
+def _exit_now(status: int) -> None:
+    """Tells the other processes (if any) how this one ended, flushes what can still be
+    flushed, and exits at once, without the interpreter's exit-time handlers."""
+    _watchdog_finish(status)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(status)
 
 
 _watchdog: multihost.PeerWatchdog | None = None
@@ -192,7 +200,8 @@ def _quiet_stdout(print_here: bool) -> None:
 
 
 def _on_lost_process(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    with contextlib.suppress(OSError, ValueError):
+        print(f"error: {message}", file=sys.stderr, flush=True)
     os._exit(EXIT_LOST_PROCESS)
 
 

@@ -45,6 +45,15 @@ def one_process(args: list[str], workdir) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
+def why_it_stopped(stderr: str) -> str:
+    """A failed process's stderr in short: its glog lines (a C++ abort says why there), its
+    "error: " lines, and its last 1500 characters without the interpreter's list of extension
+    modules (which fills a fatal error's tail)."""
+    said = [line for line in stderr.splitlines() if re.match(r"([EFW]\d{4} |error: )", line)]
+    tail = re.sub(r"\nExtension modules:.*?\(total: \d+\)", "", stderr, flags=re.DOTALL)
+    return "\n".join(said[-20:]) + "\n...\n" + tail[-1500:]
+
+
 def launcher(args: list[str], workdir, *extra: str) -> list[str]:
     return [
         sys.executable, "-m", "launch.local", "--processes=2", "--devices_per_process=4",
@@ -152,45 +161,64 @@ def test_sigterm_to_one_process_saves_on_all_at_one_step_and_resumes_exactly(tmp
     assert metrics(workdir) == metrics(reference)
 
 
+def coordinated(args: list[str], workdir, port: int, index: int) -> subprocess.Popen:
+    """Process `index` of 2 (4 CPU devices), started by hand rather than by the launcher so that
+    a test can kill it or close its pipes."""
+    command = [
+        sys.executable, "-m", "resconv_jax.main", *args, f"--workdir={workdir}",
+        f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={index}",
+        # JAX aborts a process at its own timeout; the watchdog acts at half of it. 20 s leaves a
+        # loaded CI machine 10 s for the watchdog's thread to run (6 s and 10 s were flaky
+        # there: JAX's abort came first).
+        "--heartbeat_timeout=20",
+    ]  # fmt: skip
+    return subprocess.Popen(
+        command, cwd=ROOT, env=local.process_env(4), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
 @pytest.mark.slow
 def test_a_killed_process_stops_the_other_with_one_line_and_a_rerun_resumes(tmp_path):
     args = [*THEORY, "--config.train.num_steps=600", "--config.train.checkpoint_every=50"]
     workdir = tmp_path / "killed"
-    command = [sys.executable, "-m", "resconv_jax.main", *args, f"--workdir={workdir}"]
     port = local.free_port()
-    processes = [
-        subprocess.Popen(
-            [
-                *command,
-                f"--coordinator_address=127.0.0.1:{port}",
-                "--num_processes=2",
-                f"--process_id={index}",
-                # JAX aborts a process at its own timeout; the watchdog acts at half of it. 10 s
-                # leaves a loaded CI machine 5 s for the watchdog's thread to run (6 s was flaky).
-                "--heartbeat_timeout=10",
-            ],
-            cwd=ROOT,
-            env=local.process_env(4),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        for index in range(2)
-    ]
+    processes = [coordinated(args, workdir, port, index) for index in range(2)]
     wait_for_lines(workdir, 3 * 30, processes[0])
     processes[1].kill()
     killed_at = time.monotonic()
     _, err = processes[0].communicate(timeout=60)
     waited = time.monotonic() - killed_at
     processes[1].communicate()
-    assert processes[0].returncode == 5, err[-2000:]
+    assert processes[0].returncode == 5, why_it_stopped(err)
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert errors == [errors[0]] and "process 1 of 2 stopped responding" in errors[0], err[-2000:]
-    assert waited < 10 + 5  # lost after half the heartbeat timeout, checked every second
+    assert errors == [errors[0]] and "process 1 of 2 stopped responding" in errors[0], err[-4000:]
+    assert waited < 20 + 5  # lost after half the heartbeat timeout, checked every second
     result = two_processes(args, workdir)
     assert result.returncode == 0 and "resuming from step" in result.stdout, result.stderr[-2000:]
     steps = [r["step"] for r in metrics(workdir) if r["run"] == 0]
     assert steps == list(range(0, 601, 5))
+
+
+@pytest.mark.slow
+def test_a_process_whose_output_pipes_close_ends_both_instead_of_hanging(tmp_path):
+    # Process 0's stdout and stderr readers go away (a closed terminal, `| head`): its first
+    # line fails, and so does printing that error. It used to leave through the interpreter's
+    # exit, where JAX's shutdown waits for process 1, which waits in a collective for process 0.
+    port = local.free_port()
+    processes = [coordinated(THEORY, tmp_path / "closed", port, index) for index in range(2)]
+    processes[0].stdout.close()
+    processes[0].stderr.close()
+    try:
+        processes[0].wait(timeout=90)
+        _, err = processes[1].communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        for process in processes:
+            process.kill()
+        pytest.fail("a process with closed output pipes left the run hanging")
+    assert processes[0].returncode == 1
+    assert processes[1].returncode == 5, why_it_stopped(err)
+    assert "process 0 of 2 exited with status 1" in err
 
 
 @pytest.mark.slow

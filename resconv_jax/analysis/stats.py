@@ -4,6 +4,8 @@ pairs with a non-finite entry are left out."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 
 import numpy as np
@@ -61,3 +63,160 @@ def stratified_p_value(betas, steps, seeds, *, permutations: int = 5000) -> floa
         shuffled[:, group] = rng.permuted(shuffled[:, group], axis=1)
     hits = np.sum(np.abs(tau_b(shuffled, steps)) >= observed - 1e-12)
     return float((hits + 1) / (permutations + 1))
+
+
+# --- Tests of the second reading of the claims (docs/protocol.md §5, rows marked ″) ---
+
+MAX_EXACT = 2_000_000  # enumerate every within-stratum permutation up to this many, else draw
+DRAWS = 100_000
+
+
+@dataclasses.dataclass(frozen=True)
+class PermutationTest:
+    """A stratified permutation test: the observed statistic, its p-value for `alternative`
+    ("less", "greater" or "two-sided"), and whether p counts every permutation (`exact`) or
+    `count` random ones (p = (hits + 1) / (count + 1))."""
+
+    observed: float
+    p_value: float
+    count: int
+    exact: bool
+    alternative: str
+
+    def describe(self) -> str:
+        how = f"exact over {self.count:,}" if self.exact else f"{self.count:,} draws"
+        return f"{self.alternative} p = {self.p_value:.2g} ({how} within-stratum permutations)"
+
+
+def permutation_count(strata) -> int:
+    """∏ n_s! over the strata: how many within-stratum permutations there are."""
+    _, sizes = np.unique(np.asarray(strata), return_counts=True)
+    return math.prod(math.factorial(int(n)) for n in sizes)
+
+
+def _within_strata(x: np.ndarray, strata: np.ndarray, *, max_exact: int, draws: int, seed: int):
+    """Chunks (K, n) of x permuted within each stratum: every permutation (the identity
+    included) when there are at most `max_exact`, else `draws` random ones."""
+    groups = [np.flatnonzero(strata == s) for s in np.unique(strata)]
+    if permutation_count(strata) <= max_exact:
+        orders = [np.array(list(itertools.permutations(range(g.size)))) for g in groups]
+        combos = itertools.product(*(range(len(o)) for o in orders))
+        while chunk := list(itertools.islice(combos, 20_000)):
+            picks = np.array(chunk)
+            out = np.repeat(x[None], len(chunk), axis=0)
+            for k, (g, o) in enumerate(zip(groups, orders, strict=True)):
+                out[:, g] = x[g][o[picks[:, k]]]
+            yield out
+        return
+    rng = np.random.default_rng(seed)
+    for start in range(0, draws, 20_000):
+        out = np.repeat(x[None], min(20_000, draws - start), axis=0)
+        for g in groups:
+            out[:, g] = rng.permuted(out[:, g], axis=1)
+        yield out
+
+
+def permutation_test(statistic, x, y, strata, *, alternative: str = "two-sided",
+                     max_exact: int = MAX_EXACT, draws: int = DRAWS, seed: int = 0,
+                     ) -> PermutationTest:  # fmt: skip
+    """Tests `statistic(xs (K, n), y (n,), strata (n,)) -> (K,)` by permuting x within each
+    stratum (the runs of one stratum share what makes them dependent; only x is exchangeable
+    there). Exact when there are at most `max_exact` permutations."""
+    x, y, strata = np.asarray(x, float), np.asarray(y, float), np.asarray(strata)
+    observed = float(statistic(x[None], y, strata)[0])
+    exact = permutation_count(strata) <= max_exact
+    hits = count = 0
+    tolerance = 1e-12 * max(1.0, abs(observed))
+    for xs in _within_strata(x, strata, max_exact=max_exact, draws=draws, seed=seed):
+        values = statistic(xs, y, strata)
+        if alternative == "less":
+            hits += int(np.sum(values <= observed + tolerance))
+        elif alternative == "greater":
+            hits += int(np.sum(values >= observed - tolerance))
+        else:
+            hits += int(np.sum(np.abs(values) >= abs(observed) - tolerance))
+        count += len(values)
+    p = hits / count if exact else (hits + 1) / (count + 1)
+    return PermutationTest(observed, float(p), count, exact, alternative)
+
+
+def pooled_tau(xs: np.ndarray, y: np.ndarray, strata=None) -> np.ndarray:
+    """Kendall's τ-b of each row of xs (K, n) against y (n,) over all n runs."""
+    return tau_b(xs, y)
+
+
+def _ranks(values: np.ndarray) -> np.ndarray:
+    return stats.rankdata(values, axis=-1)
+
+
+def stratified_spearman(xs: np.ndarray, y: np.ndarray, strata) -> np.ndarray:
+    """(K,) Spearman's ρ between each row of xs (K, n) and y (n,) within each stratum, averaged
+    over the strata weighted by their sizes (a stratum of < 3 runs, or one where x or y is
+    constant, is left out)."""
+    strata = np.asarray(strata)
+    total, weight = np.zeros(xs.shape[0]), 0
+    for s in np.unique(strata):
+        g = np.flatnonzero(strata == s)
+        rx, ry = _ranks(xs[:, g]), _ranks(y[g])
+        rx, ry = rx - rx.mean(axis=1, keepdims=True), ry - ry.mean()
+        norm = np.sqrt((rx**2).sum(axis=1) * (ry**2).sum())
+        if g.size < 3 or not np.all(norm > 0):
+            continue
+        total += g.size * (rx * ry).sum(axis=1) / norm
+        weight += g.size
+    return total / weight if weight else np.full(xs.shape[0], np.nan)
+
+
+def partial_tau(x, y, z) -> float:
+    """Kendall's partial τ of x and y with z held fixed:
+    (τ_xy − τ_xz τ_yz) / √((1 − τ_xz²)(1 − τ_yz²)) (τ-b throughout; NaN if z ranks x or y
+    perfectly)."""
+    t_xy, t_xz, t_yz = (kendall(a, b)[0] for a, b in ((x, y), (x, z), (y, z)))
+    denominator = math.sqrt(max((1 - t_xz**2) * (1 - t_yz**2), 0.0))
+    return (t_xy - t_xz * t_yz) / denominator if denominator > 0 else math.nan
+
+
+def cluster_resamples(rows: list[dict], cluster: str, draws: int, seed: int):
+    """`draws` resamples of `rows`, each as many whole clusters (the rows sharing `cluster`,
+    e.g. a seed) as there are, drawn with replacement; a cluster drawn twice enters twice, under
+    a new label."""
+    labels = sorted({row[cluster] for row in rows})
+    by_label = {label: [row for row in rows if row[cluster] == label] for label in labels}
+    rng = np.random.default_rng(seed)
+    for _ in range(draws):
+        picks = rng.choice(len(labels), size=len(labels))
+        yield [row | {cluster: k} for k, pick in enumerate(picks) for row in by_label[labels[pick]]]
+
+
+def cluster_bootstrap(statistic, rows: list[dict], cluster: str, *, draws: int = 2000,
+                      level: float = 0.95, seed: int = 0) -> tuple[float, float]:  # fmt: skip
+    """Percentile interval of `statistic(rows)` over `cluster_resamples`; resamples whose
+    statistic is NaN are left out."""
+    values = np.array([statistic(s) for s in cluster_resamples(rows, cluster, draws, seed)])
+    values = values[np.isfinite(values)]
+    if not values.size:
+        return math.nan, math.nan
+    tail = (1 - level) / 2 * 100
+    low, high = np.percentile(values, [tail, 100 - tail])
+    return float(low), float(high)
+
+
+def bootstrap_power(p_value, rows: list[dict], cluster: str, *, alpha: float = 0.05,
+                    draws: int = 200, seed: int = 1) -> float:  # fmt: skip
+    """The power of a test at the observed effect, estimated as the fraction of
+    `cluster_resamples` on which `p_value(rows)` < alpha: how often a rerun with as many
+    clusters from the same population would reach significance."""
+    resamples = cluster_resamples(rows, cluster, draws, seed)
+    return sum(p_value(sample) < alpha for sample in resamples) / draws
+
+
+def three_way(ok: bool, interval: tuple[float, float], threshold: float,
+              power: float | None = None) -> str:  # fmt: skip
+    """ "holds" / "fails" by `ok`, or "undecided" when `interval` spans `threshold` (or is NaN)
+    or the power at the observed effect is below 0.8."""
+    low, high = interval
+    if not (np.isfinite(low) and np.isfinite(high)) or low <= threshold <= high:
+        return "undecided"
+    if power is not None and power < 0.8:
+        return "undecided"
+    return "holds" if ok else "fails"

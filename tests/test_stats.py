@@ -1,0 +1,151 @@
+"""The claims' statistics against scipy and against exact enumeration on small synthetic cases."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from resconv_jax.analysis import stats as st
+
+
+def test_tau_b_with_ties_equals_scipy():
+    rng = np.random.default_rng(3)
+    x, y = rng.integers(0, 3, (50, 12)).astype(float), rng.integers(0, 4, 12).astype(float)
+    expected = [stats.kendalltau(row, y, variant="b").statistic for row in x]
+    np.testing.assert_allclose(st.pooled_tau(x, y), expected, atol=1e-12)
+
+
+def _brute_force_p(x, y, strata, alternative):
+    """p over every within-stratum permutation, by itertools, one τ at a time (scipy's)."""
+    groups = [np.flatnonzero(strata == s) for s in np.unique(strata)]
+    observed = stats.kendalltau(x, y).statistic
+    values = []
+    for orders in itertools.product(*(itertools.permutations(g) for g in groups)):
+        shuffled = x.copy()
+        for g, order in zip(groups, orders, strict=True):
+            shuffled[g] = x[list(order)]
+        values.append(stats.kendalltau(shuffled, y).statistic)
+    values = np.array(values)
+    if alternative == "less":
+        return np.mean(values <= observed + 1e-12)
+    return np.mean(np.abs(values) >= abs(observed) - 1e-12)
+
+
+@pytest.mark.parametrize("alternative", ["less", "two-sided"])
+def test_the_exact_stratified_permutation_p_equals_enumeration(alternative):
+    x = np.array([0.0, 0.5, 1.0, 0.0, 0.5, 1.0, 1.0, 0.0, 0.5, 1.0, 1.0])  # ties in x
+    strata = np.repeat([0, 1, 2], [3, 4, 4])
+    y = np.array([9, 7, 8, 6, 6, 4, 2, 3, 3, 1, 0], float)  # ties in y
+    result = st.permutation_test(st.pooled_tau, x, y, strata, alternative=alternative)
+    assert result.exact and result.count == 6 * 24 * 24
+    assert result.p_value == pytest.approx(_brute_force_p(x, y, strata, alternative), abs=1e-12)
+    assert result.observed == pytest.approx(stats.kendalltau(x, y).statistic, abs=1e-12)
+
+
+def test_drawn_permutations_approach_the_exact_p_and_say_so():
+    x, strata = np.tile([0.0, 1, 2, 3], 3), np.repeat([0, 1, 2], 4)
+    y = np.random.default_rng(0).normal(size=12) - 0.4 * x
+    exact = st.permutation_test(st.pooled_tau, x, y, strata, alternative="less")
+    drawn = st.permutation_test(
+        st.pooled_tau, x, y, strata, alternative="less", max_exact=10, draws=40_000
+    )
+    assert not drawn.exact and drawn.count == 40_000 and "40,000 draws" in drawn.describe()
+    assert abs(drawn.p_value - exact.p_value) < 0.01
+
+
+def test_a_one_sided_p_is_small_only_in_the_direction_of_the_effect():
+    x, strata = np.tile([0.0, 1, 2, 3], 3), np.repeat([0, 1, 2], 4)
+    y = 10 - x + np.array([0.3, -0.2, 0.5, -0.6] * 3)
+    less = st.permutation_test(st.pooled_tau, x, y, strata, alternative="less")
+    greater = st.permutation_test(st.pooled_tau, x, y, strata, alternative="greater")
+    assert less.p_value < 0.01 < 0.99 < greater.p_value
+
+
+def test_stratified_spearman_is_the_size_weighted_mean_of_scipys_per_stratum_rho():
+    rng = np.random.default_rng(1)
+    strata = np.repeat([0, 1, 2], [4, 5, 6])
+    x, y = rng.normal(size=15), rng.normal(size=15)
+    expected = (
+        sum(
+            (strata == s).sum() * stats.spearmanr(x[strata == s], y[strata == s]).statistic
+            for s in range(3)
+        )
+        / 15
+    )
+    assert st.stratified_spearman(x[None], y, strata)[0] == pytest.approx(expected, abs=1e-12)
+
+
+def test_stratified_spearman_ignores_what_separates_the_strata():
+    # Within each stratum x and y go together; across strata they go against each other.
+    strata = np.repeat([0, 1, 2], 4)
+    x = np.array([0, 1, 2, 3] * 3, float) + 10 * strata
+    y = np.array([0, 1, 2, 3] * 3, float) - 10 * strata
+    assert stats.spearmanr(x, y).statistic < 0
+    assert st.stratified_spearman(x[None], y, strata)[0] == pytest.approx(1.0)
+
+
+def test_partial_tau_follows_its_formula_and_removes_a_common_cause():
+    rng = np.random.default_rng(2)
+    z = rng.normal(size=40)
+    x, y = z + 0.3 * rng.normal(size=40), z + 0.3 * rng.normal(size=40)
+    t = {k: stats.kendalltau(a, b).statistic for k, (a, b) in
+         {"xy": (x, y), "xz": (x, z), "yz": (y, z)}.items()}  # fmt: skip
+    expected = (t["xy"] - t["xz"] * t["yz"]) / math.sqrt((1 - t["xz"] ** 2) * (1 - t["yz"] ** 2))
+    assert st.partial_tau(x, y, z) == pytest.approx(expected, abs=1e-12)
+    assert t["xy"] > 0.5 and abs(st.partial_tau(x, y, z)) < t["xy"] / 2
+
+
+def test_the_cluster_bootstrap_interval_covers_a_known_mean_about_95_percent_of_the_time():
+    rng = np.random.default_rng(4)
+
+    def mean_of(rows):
+        return float(np.mean([r["v"] for r in rows]))
+
+    covered = 0
+    for trial in range(120):
+        rows = [{"seed": s, "v": v} for s, v in enumerate(rng.normal(1.0, 2.0, size=30))]
+        low, high = st.cluster_bootstrap(mean_of, rows, "seed", draws=400, seed=trial)
+        covered += low <= 1.0 <= high
+    assert 0.85 <= covered / 120 <= 1.0  # binomial sd at 95 %: 2 %
+
+
+def test_a_cluster_resample_keeps_each_cluster_whole_and_relabels_repeats():
+    rows = [{"seed": s, "run": r} for s in (7, 8, 9) for r in range(4)]
+    for sample in st.cluster_resamples(rows, "seed", draws=20, seed=0):
+        assert len(sample) == 12 and sorted({r["seed"] for r in sample}) == [0, 1, 2]
+        for k in range(3):
+            assert [r["run"] for r in sample if r["seed"] == k] == [0, 1, 2, 3]
+
+
+def test_bootstrap_power_is_high_for_a_strong_effect_and_low_for_none():
+    rng = np.random.default_rng(5)
+
+    def rows_of(effect):
+        return [{"seed": s, "x": b, "y": -effect * b + rng.normal()}
+                for s in range(8) for b in range(5)]  # fmt: skip
+
+    def p_value(rows):
+        x, y, strata = (np.array([r[k] for r in rows]) for k in ("x", "y", "seed"))
+        return st.permutation_test(st.pooled_tau, x, y, strata, alternative="less",
+                                   max_exact=0, draws=300).p_value  # fmt: skip
+
+    assert st.bootstrap_power(p_value, rows_of(2.0), "seed", draws=30) >= 0.9
+    assert st.bootstrap_power(p_value, rows_of(0.0), "seed", draws=30) <= 0.5
+
+
+@pytest.mark.parametrize(
+    ("ok", "interval", "power", "expected"),
+    [
+        (True, (-0.6, -0.1), 0.9, "holds"),
+        (False, (0.1, 0.4), 0.95, "fails"),
+        (True, (-0.6, 0.1), 0.9, "undecided"),  # the interval spans the threshold 0
+        (True, (-0.6, -0.1), 0.5, "undecided"),  # too little power at the observed effect
+        (True, (math.nan, -0.1), None, "undecided"),
+    ],
+)
+def test_three_way_verdicts(ok, interval, power, expected):
+    assert st.three_way(ok, interval, 0.0, power) == expected

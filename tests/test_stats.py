@@ -10,6 +10,7 @@ import pytest
 from scipy import stats
 
 from resconv_jax.analysis import stats as st
+from resconv_jax.experiments import claims
 
 
 def test_tau_b_with_ties_equals_scipy():
@@ -17,6 +18,12 @@ def test_tau_b_with_ties_equals_scipy():
     x, y = rng.integers(0, 3, (50, 12)).astype(float), rng.integers(0, 4, 12).astype(float)
     expected = [stats.kendalltau(row, y, variant="b").statistic for row in x]
     np.testing.assert_allclose(st.pooled_tau(x, y), expected, atol=1e-12)
+
+
+def test_average_ranks_equal_scipys_with_ties():
+    values = np.random.default_rng(6).integers(0, 4, (30, 9)).astype(float)
+    np.testing.assert_array_equal(st.average_ranks(values), stats.rankdata(values, axis=-1))
+    np.testing.assert_array_equal(st.average_ranks(values[0]), stats.rankdata(values[0]))
 
 
 def _brute_force_p(x, y, strata, alternative):
@@ -141,11 +148,12 @@ def test_bootstrap_power_is_high_for_a_strong_effect_and_low_for_none():
     ("ok", "interval", "power", "expected"),
     [
         (True, (-0.6, -0.1), 0.9, "holds"),
-        (False, (0.1, 0.4), 0.95, "fails"),
+        (False, (0.1, 0.4), 0.0, "fails"),  # wholly on the other side: power is moot
         (True, (-0.6, 0.1), 0.9, "undecided"),  # the interval spans the threshold 0
         (True, (-0.6, -0.1), 0.5, "undecided"),  # too little power at the observed effect
+        (False, (-0.6, -0.1), 0.9, "undecided"),  # the claimed side, but not significant
         (True, (math.nan, -0.1), None, "undecided"),
     ],
 )
 def test_three_way_verdicts(ok, interval, power, expected):
-    assert st.three_way(ok, interval, 0.0, power) == expected
+    assert claims.decided(ok, interval, 0.0, power, claimed="below") == expected

@@ -11,10 +11,11 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import math
 
 from resconv_jax.runtime import workdir as wd
 
-HOLDS, FAILS, NOT_RUN = "holds", "fails", "not run"
+HOLDS, FAILS, UNDECIDED, NOT_RUN = "holds", "fails", "undecided", "not run"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +64,27 @@ def missing(claim: Claim, workdir, name: str) -> Claim | None:
 def verdict(ok: bool) -> str:
     """ "holds" or "fails"."""
     return HOLDS if ok else FAILS
+
+
+def decided(ok: bool, interval: tuple[float, float], threshold: float,
+            power: float | None = None, *, claimed: str) -> str:  # fmt: skip
+    """The second reading's verdict (docs/protocol.md): "undecided" when `interval` spans
+    `threshold` (or is NaN); "fails" when it lies wholly on the other side than the `claimed`
+    one ("below" or "above"); on the claimed side, "holds" when `ok` (the row's test) and the
+    power at the observed effect is at least 0.8, else "undecided"."""
+    low, high = interval
+    if not (math.isfinite(low) and math.isfinite(high)) or low <= threshold <= high:
+        return UNDECIDED
+    if (high < threshold) != (claimed == "below"):
+        return FAILS
+    return HOLDS if ok and (power is None or power >= 0.8) else UNDECIDED
+
+
+def combined(verdicts) -> str:
+    """One verdict for several parts of a claim: "fails" if one part fails, else "undecided" if
+    one is, else "holds"."""
+    verdicts = set(verdicts)
+    return next((v for v in (FAILS, UNDECIDED) if v in verdicts), HOLDS)
 
 
 def format_claims_table(claims: list[Claim]) -> str:

@@ -18,6 +18,7 @@ import math
 
 import numpy as np
 
+from resconv_jax.analysis import stats
 from resconv_jax.analysis.stats import log_slope, spearman
 from resconv_jax.analysis.summary import FIT_FLOOR, fit_rate, series
 from resconv_jax.experiments import claims
@@ -205,13 +206,82 @@ def rate_vs_conditioning(workdir, threshold: float = 0.9, min_ratio: float = 2.0
     return dataclasses.replace(claim, value=value, verdict=claims.verdict(ok), note=note)
 
 
+def within_beta(rows: list[dict], measure: str = "z_ratio_sq_init", power: bool = True) -> dict:
+    """The second reading of claim 2 (row 2″) for the runs of one width: the stratified Spearman
+    ρ (within each β, across seeds) between `measure` and the speed 1 − rate, its one-sided
+    permutation test (greater), seed-bootstrap interval and power. Runs without a fitted rate
+    are left out."""
+    runs = [{"seed": r["seed"], "beta": r["beta_attn"], "x": r[measure], "speed": r["speed"]}
+            for r in rows if np.isfinite(r["speed"]) and np.isfinite(r[measure])]  # fmt: skip
+
+    def test(sample, **draws):
+        x, speed, beta = (np.array([r[k] for r in sample], float) for k in ("x", "speed", "beta"))
+        return stats.permutation_test(stats.stratified_spearman, x, speed, beta,
+                                      alternative="greater", **draws)  # fmt: skip
+
+    def rho(sample):
+        x, speed, beta = (np.array([r[k] for r in sample], float) for k in ("x", "speed", "beta"))
+        return float(stats.stratified_spearman(x[None], speed, beta)[0])
+
+    return {
+        "test": test(runs),
+        "interval": stats.cluster_bootstrap(rho, runs, "seed"),
+        "power": stats.bootstrap_power(
+            lambda sample: test(sample, max_exact=0, draws=stats.POWER_DRAWS).p_value, runs, "seed"
+        )
+        if power
+        else math.nan,
+        "runs": len(runs),
+    }
+
+
+def rate_vs_conditioning_within_beta(workdir, alpha: float = 0.05, min_ratio: float = 2.0) -> Claim:
+    """Row 2″: at a fixed β, a larger σ_min²/σ_max²(Z) at initialization goes with faster descent
+    (docs/protocol.md, the second reading), at every width d ≥ min_ratio·P·M."""
+    claim = Claim(
+        "2″. at a fixed β, the rate follows σ_min²/σ_max²(Z) (second reading of 2)",
+        "stratified Spearman ρ(σ_min²/σ_max²(Z) at init, 1 − rate) within β across seeds, "
+        "one-sided p [95 % seed-bootstrap interval]; power; per width",
+        f"ρ > 0 with p < {alpha:g} at d ≥ {min_ratio:g}·P·M; undecided if an interval spans 0 "
+        "or power < 0.8",
+    )
+    if missing := claims.missing(claim, workdir, RUNS_FILE) or claims.missing(
+        claim, workdir, TABLE_FILE
+    ):
+        return missing
+    rows = claims.read_csv(wd.path(workdir) / RUNS_FILE)
+    over_pm = {r["dim"]: r[DIM_OVER_PM] for r in claims.read_csv(wd.path(workdir) / TABLE_FILE)}
+    values, notes, verdicts = [], [], []
+    for dim in sorted({r["dim"] for r in rows}):
+        same = [r for r in rows if r["dim"] == dim]
+        z, k = within_beta(same), within_beta(same, "eta_lambda_min_init", power=False)
+        (low, high), t = z["interval"], z["test"]
+        values.append(f"d={dim}: ρ={t.observed:+.3f} [{low:+.2f}, {high:+.2f}], "
+                      f"{t.describe()}, power {z['power']:.2f}")  # fmt: skip
+        (k_low, k_high), kt = k["interval"], k["test"]
+        notes.append(f"d={dim}: ρ={kt.observed:+.3f} [{k_low:+.2f}, {k_high:+.2f}], "
+                     f"p = {kt.p_value:.2g}")  # fmt: skip
+        if over_pm.get(dim, 0) >= min_ratio:
+            ok = t.observed > 0 and t.p_value < alpha
+            verdicts.append(claims.decided(ok, z["interval"], 0.0, z["power"], claimed="above"))
+    value = "; ".join(values)
+    if not verdicts:
+        return dataclasses.replace(claim, value=value, note=f"no width d ≥ {min_ratio:g}·P·M")
+    verdict = claims.combined(verdicts)
+    note = "the same for η·λ_min(K) at init: " + "; ".join(notes)
+    return dataclasses.replace(claim, value=value, verdict=verdict, note=note)
+
+
 EXPERIMENTS = (
     Experiment(
         "conditioning",
         "Rate against conditioning",
         "conditioning.py",
         scale_variants(),
-        claims=(ClaimCheck(2, rate_vs_conditioning),),
+        claims=(
+            ClaimCheck(2, rate_vs_conditioning),
+            ClaimCheck(2.1, rate_vs_conditioning_within_beta),
+        ),
         files=(RUNS_FILE, TABLE_FILE, "rate_scatter.png", "step_size.png"),
     ),
 )

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
+from resconv_jax.analysis.summary import fit_floor, series
 from resconv_jax.experiments import claims
 from resconv_jax.experiments.claims import Claim
 from resconv_jax.experiments.record import ClaimCheck, Experiment, scale_variants
@@ -32,6 +35,42 @@ def linear_convergence(workdir, threshold: float = 0.99) -> Claim:
     value = ", ".join(f"β={r['beta_attn']:g}: {r['rate_r2']:.4f}" for r in runs)
     ok = all(r["rate_r2"] >= threshold for r in runs)
     return dataclasses.replace(claim, value=value, verdict=claims.verdict(ok))
+
+
+def linear_convergence_bound(workdir) -> Claim:
+    """Row 1″: linear convergence as a bound (docs/protocol.md, the second reading): with ρ_max
+    the largest per-step certificate bound (1 − η·λ_min(K))² over a run's checks above the fit
+    floor, log L_t ≤ log L_0 + t·log ρ_max at every logged step above the floor, every run."""
+    claim = Claim(
+        "1″. linear convergence as a bound (second reading of 1)",
+        "log L_t ≤ log L_0 + t·log ρ_max at every logged step above the floor, ρ_max the "
+        "largest certificate bound (1 − ηλ_min)² of the run; fitted rate and R² described",
+        "every step of every run (no sampling: one float64 run per β)",
+    )
+    if missing := claims.missing(claim, workdir, SUMMARY_FILE):
+        return missing
+    runs = claims.read_json(wd.path(workdir) / SUMMARY_FILE)
+    dtype = claims.read_json(wd.path(workdir) / CONFIG_FILE)["model"]["dtype"]
+    history = read_metrics(workdir)
+    values, held = [], []
+    for run in runs:
+        steps, losses = series(history, run["run"], "loss")
+        floor = fit_floor(dtype) * losses[0]
+        above = losses > floor
+        checks = [line for line in history if line["run"] == run["run"] and "ntk/bound" in line]
+        bounds = [line["ntk/bound"] for line in checks if line["loss"] > floor]
+        if not bounds:
+            return dataclasses.replace(claim, note=f"run {run['run']} has no certificate checks")
+        rho_max = max(bounds)
+        envelope = np.log(losses[0]) + steps[above] * np.log(rho_max)
+        ok = bool(np.all(np.log(losses[above]) <= envelope + 1e-12)) and rho_max < 1
+        held.append(ok)
+        values.append(
+            f"β={run['beta_attn']:g}: ρ_max = {rho_max:.5f}, bound "
+            f"{'held' if ok else 'broken'} at {int(above.sum())} steps (fitted ρ = "
+            f"{run['rate']:.5f}, R² {run['rate_r2']:.4f})"
+        )
+    return dataclasses.replace(claim, value="; ".join(values), verdict=claims.verdict(all(held)))
 
 
 def certificate(workdir) -> Claim:
@@ -80,7 +119,7 @@ EXPERIMENTS = (
         "Theory regime, ReLU, float64",
         "theory.py",
         scale_variants("float64,tiny", "float64", "float64"),
-        claims=(ClaimCheck(1, linear_convergence),),
+        claims=(ClaimCheck(1, linear_convergence), ClaimCheck(1.1, linear_convergence_bound)),
         files=_FILES,
     ),
     Experiment(

@@ -19,6 +19,7 @@ import math
 
 import numpy as np
 
+from resconv_jax.analysis import stats
 from resconv_jax.analysis.stats import kendall, stratified_p_value
 from resconv_jax.experiments import claims
 from resconv_jax.experiments.claims import Claim
@@ -219,13 +220,101 @@ def jena_descent_replication(workdir) -> Claim:
     return jena_descent(workdir, replication=True)
 
 
+def fixed_start_ordering(rows: list[dict], fraction: float = HEADLINE, power: bool = True) -> dict:
+    """The second reading of 5a (docs/protocol.md, row 5a″): τ-b(β, steps to `fraction`·L_0)
+    with its one-sided stratified permutation test (exact when feasible), Kendall's partial
+    τ(β, steps | L_0) with its seed-bootstrap interval, and the power of the test."""
+    key = f"steps_to_{fraction:g}"
+    rows = [r for r in rows if r["window_steps"] > 0]
+    window = max((r["window_steps"] for r in rows), default=0)
+    runs = [{"seed": r["seed"], "beta": r["beta_attn"], "l0": r["initial_loss"],
+             "steps": _censored_steps(r, key, window)} for r in rows]  # fmt: skip
+
+    def columns(sample):
+        return (np.array([r[k] for r in sample], float) for k in ("beta", "steps", "l0", "seed"))
+
+    def test(sample, **draws):
+        beta, steps, _, seeds = columns(sample)
+        return stats.permutation_test(stats.pooled_tau, beta, steps, seeds, alternative="less",
+                                      **draws)  # fmt: skip
+
+    def partial(sample):
+        beta, steps, l0, _ = columns(sample)
+        return stats.partial_tau(beta, steps, l0)
+
+    def tau(sample):
+        beta, steps, _, _ = columns(sample)
+        return kendall(beta, steps)[0]
+
+    result = test(runs)
+    return {
+        "fraction": fraction,
+        "test": result,
+        "tau_interval": stats.cluster_bootstrap(tau, runs, "seed"),
+        "partial_tau": partial(runs),
+        "partial_interval": stats.cluster_bootstrap(partial, runs, "seed"),
+        "l0_tau": kendall([r["l0"] for r in runs], [r["steps"] for r in runs])[0],
+        "power": stats.bootstrap_power(
+            lambda sample: test(sample, max_exact=0, draws=stats.POWER_DRAWS).p_value, runs, "seed"
+        )
+        if power
+        else math.nan,
+        "runs": len(runs),
+    }
+
+
+def jena_descent_fixed_start(workdir, alpha: float = 0.05, replication: bool = False) -> Claim:
+    """Row 5a″ (5a′″ with `replication`): larger β descends faster with L_0 held fixed
+    (docs/protocol.md, the second reading)."""
+    claim = Claim(
+        "5a″. Jena: larger β descends faster, L_0 held fixed (second reading of 5a)",
+        f"τ-b(β, steps until L_t ≤ {HEADLINE:g}·L_0), one-sided stratified p; partial τ | L_0 "
+        "[95 % seed-bootstrap interval]; power",
+        f"τ < 0 with p < {alpha:g} and partial τ < 0; undecided if its interval spans 0 or "
+        "power < 0.8",
+    )
+    if replication:
+        claim = dataclasses.replace(
+            claim,
+            claim="5a′″. Jena replication, L_0 held fixed (second reading of 5a′)",
+            measure=claim.measure + " (P = 2041 windows of 2009–2016, seeds 3–12)",
+        )
+    if missing := claims.missing(claim, workdir, TABLE_FILE):
+        return missing
+    rows = claims.read_csv(wd.path(workdir) / TABLE_FILE)
+    o = fixed_start_ordering(rows)
+    if not np.isfinite(o["test"].observed):
+        return dataclasses.replace(claim, note="too few runs reached the level")
+    (tau_low, tau_high), (low, high) = o["tau_interval"], o["partial_interval"]
+    value = (
+        f"τ = {o['test'].observed:+.3f} [{tau_low:+.2f}, {tau_high:+.2f}], {o['test'].describe()}; "
+        f"partial τ | L_0 = {o['partial_tau']:+.3f} [{low:+.2f}, {high:+.2f}]; "
+        f"power {o['power']:.2f} ({o['runs']} runs)"
+    )
+    ok = o["test"].observed < 0 and o["test"].p_value < alpha and o["partial_tau"] < 0
+    alternative = fixed_start_ordering(rows, 0.5, power=False)
+    note = (
+        f"τ(L_0, steps) = {o['l0_tau']:+.3f}; the alternative at 0.5·L_0: τ = "
+        f"{alternative['test'].observed:+.3f}, {alternative['test'].describe()}, partial τ | L_0 "
+        f"= {alternative['partial_tau']:+.3f} [{alternative['partial_interval'][0]:+.2f}, "
+        f"{alternative['partial_interval'][1]:+.2f}]"
+    )
+    verdict = claims.decided(ok, o["partial_interval"], 0.0, o["power"], claimed="below")
+    return dataclasses.replace(claim, value=value, verdict=verdict, note=note)
+
+
+def jena_descent_fixed_start_replication(workdir) -> Claim:
+    """Row 5a′″: `jena_descent_fixed_start` of the replication runs."""
+    return jena_descent_fixed_start(workdir, replication=True)
+
+
 EXPERIMENTS = (
     Experiment(
         "jena",
         "Jena Climate β sweep",
         "jena.py",
         scale_variants(paper="full"),
-        claims=(ClaimCheck(5.1, jena_descent),),
+        claims=(ClaimCheck(5.1, jena_descent), ClaimCheck(5.11, jena_descent_fixed_start)),
         files=(TABLE_FILE, "descent_by_beta.png", "beta_table.csv", "loss_by_beta.png"),
     ),
     Experiment(
@@ -233,7 +322,10 @@ EXPERIMENTS = (
         "Jena Climate β sweep, replication of 5a (every window of 2009–2016, seeds 3–12)",
         "jena.py",
         scale_variants("full,replication,tiny", "full,replication", "full,replication"),
-        claims=(ClaimCheck(5.15, jena_descent_replication),),
+        claims=(
+            ClaimCheck(5.15, jena_descent_replication),
+            ClaimCheck(5.16, jena_descent_fixed_start_replication),
+        ),
         files=(TABLE_FILE, "descent_by_beta.png", "beta_table.csv", "loss_by_beta.png"),
     ),
 )

@@ -405,6 +405,38 @@ def residual_conditioning(workdir, d_qk: int = 4096, attn_max=1e-4, z_min=0.1) -
     )
 
 
+def residual_conditioning_stacked(workdir, d_qk: int = 4096, attn_max=1e-4, z_min=0.1) -> Claim:
+    """Row 3″: row 3's thresholds on the stacked matrices, which set the rate (docs/protocol.md,
+    the second reading); the interval of each ratio is its range over the seeds."""
+    claim = Claim(
+        "3″. residual fixes conditioning, stacked matrices (second reading of 3)",
+        f"σ_min/σ_max of the stacked Attn(X) vs Attn(X) + X at d_QK = {d_qk} [range over seeds]",
+        f"< {attn_max:g} vs > {z_min:g}; undecided if a range spans its threshold",
+    )
+    if missing := claims.missing(claim, workdir, CSV_FILE):
+        return missing
+    rows = [
+        r
+        for r in claims.read_csv(wd.path(workdir) / CSV_FILE)
+        if r["qk_init"] == "1/d_qk" and r["d_qk"] == d_qk
+    ]
+    if not rows:
+        return dataclasses.replace(claim, note=f"no d_QK = {d_qk} row with qk_init 1/d_qk")
+    row = rows[0]
+    attn = (row["attn_ratio_stacked/min"], row["attn_ratio_stacked/max"])
+    z = (row["z_ratio_stacked/min"], row["z_ratio_stacked/max"])
+    value = (
+        f"Attn(X) {row['attn_ratio_stacked/mean']:.3g} [{attn[0]:.2g}, {attn[1]:.2g}], "
+        f"Attn(X) + X {row['z_ratio_stacked/mean']:.3g} [{z[0]:.2g}, {z[1]:.2g}] "
+        f"({row['num_seeds']} seeds)"
+    )
+    attn_verdict = claims.decided(attn[1] < attn_max, attn, attn_max, claimed="below")
+    z_verdict = claims.decided(z[0] > z_min, z, z_min, claimed="above")
+    verdict = claims.combined((attn_verdict, z_verdict))
+    note = f"Attn(X) alone: {attn_verdict}; Attn(X) + X: {z_verdict}; row 3 is per sample"
+    return dataclasses.replace(claim, value=value, verdict=verdict, note=note)
+
+
 def run(config, workdir: str) -> list[dict]:
     """The task: `spectra` written to `workdir` and printed; nothing trains, so no summaries."""
     spectra(config, workdir)
@@ -440,7 +472,10 @@ EXPERIMENTS = (
         "Rank collapse at initialization",
         "rank_collapse.py",
         scale_variants(small=""),
-        claims=(ClaimCheck(3, residual_conditioning),),
+        claims=(
+            ClaimCheck(3, residual_conditioning),
+            ClaimCheck(3.1, residual_conditioning_stacked),
+        ),
         files=(CSV_FILE, SEEDS_CSV_FILE, PLOT_FILE),
     ),
 )

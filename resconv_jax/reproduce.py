@@ -3,6 +3,10 @@ in DIR/<name>/ and writes DIR/REPORT.md, the claims table of docs/protocol.md wi
 claim, then each experiment's tables and figures, the machine, versions and wall times.
 
     python -m resconv_jax.reproduce --workdir=DIR [--scale=small|paper|tiny] [--readme=README.md]
+        [--only=NAME,...]
+
+`--only` runs and reports just the named experiments (REPORT.md's names, e.g.
+`--only=conditioning --scale=paper` for claim 2's full sweep); `--readme` needs them all.
 
 `small` takes about 12 minutes on 2 CPU cores (2026-12-01, from scratch); `paper` is the full
 protocol (a GPU or a pod); `tiny` is a smoke test whose numbers mean nothing. A finished
@@ -67,10 +71,11 @@ def experiment_sizes(experiment: Experiment, scale: str) -> str:
     return f"`{experiment.name}`: {experiments.task_module(config.task).describe_sizes(config)}"
 
 
-def sizes_block(scale: str) -> str:
-    """The sizes of every experiment of `scale`, one line each, for above the claims table."""
+def sizes_block(scale: str, chosen: tuple[Experiment, ...] | None = None) -> str:
+    """The sizes of every experiment of `scale` (or of those `chosen`), one line each, for above
+    the claims table."""
     lines = [f"Sizes at `--scale={scale}`:", ""]
-    for experiment in experiments.experiment_list():
+    for experiment in chosen or experiments.experiment_list():
         lines.append(f"- {experiment_sizes(experiment, scale)}")
         if experiment.fallback is not None:
             substitute = experiment_sizes(experiment.fallback, scale)
@@ -207,8 +212,10 @@ def machine() -> list[str]:
     ]
 
 
-def format_report(scale: str, outcomes: list[Outcome], table: list[Claim], times: dict) -> str:
-    """REPORT.md: the claims table, then one section per experiment, then the machine."""
+def format_report(scale: str, outcomes: list[Outcome], table: list[Claim], times: dict,
+                  chosen: tuple[Experiment, ...] | None = None) -> str:  # fmt: skip
+    """REPORT.md: the claims table, then one section per experiment (those `chosen`, or all),
+    then the machine."""
     lines = [
         "# resconv_jax: the paper's claims, checked",
         "",
@@ -216,7 +223,7 @@ def format_report(scale: str, outcomes: list[Outcome], table: list[Claim], times
         f"{time.strftime('%Y-%m-%d %H:%M %Z')}. Claims, measures and thresholds: "
         "docs/protocol.md (our protocol; the paper states none).",
         "",
-        sizes_block(scale),
+        sizes_block(scale, chosen),
         "",
         claims.format_claims_table(table),
         "",
@@ -267,10 +274,25 @@ def splice_readme(readme: str, scale: str, table: list[Claim] | None) -> None:
         f.write(text[:start] + body + text[end:])
 
 
-def reproduce(root: str, scale: str, readme: str | None = None) -> int:
-    """Runs every experiment of `scale` in `root` and writes REPORT.md (and, given `readme`, its
-    claims table into that file: `splice_readme`); the exit status. Holds `root`'s lock
-    throughout: WorkdirBusy when another process holds it."""
+def selected(only: tuple[str, ...] = ()) -> tuple[Experiment, ...]:
+    """The experiments named in `only` (all when empty), in the claims table's order;
+    ValueError naming the known ones for a name that is none of them."""
+    everything = experiments.experiment_list()
+    names = [experiment.name for experiment in everything]
+    if unknown := [name for name in only if name not in names]:
+        raise ValueError(
+            f"--only={','.join(unknown)}: no such experiment; there are {', '.join(names)}"
+        )
+    return tuple(e for e in everything if not only or e.name in only)
+
+
+def reproduce(root: str, scale: str, readme: str | None = None, only: tuple[str, ...] = ()) -> int:
+    """Runs every experiment of `scale` (or those named in `only`) in `root` and writes
+    REPORT.md (and, given `readme`, its claims table into that file: `splice_readme`); the exit
+    status. Holds `root`'s lock throughout: WorkdirBusy when another process holds it."""
+    chosen = selected(only)
+    if readme and only:
+        raise ValueError("--readme writes the whole claims table: run it without --only")
     if readme:
         if scale == "tiny":
             raise ValueError("--readme: --scale=tiny numbers mean nothing; use small or paper")
@@ -279,16 +301,18 @@ def reproduce(root: str, scale: str, readme: str | None = None) -> int:
     lock = wd.WorkdirLock(root)
     lock.acquire()  # another reproduce on this folder: WorkdirBusy, naming it
     try:
-        return _reproduce_locked(root, scale, readme)
+        return _reproduce_locked(root, scale, readme, chosen)
     finally:
         lock.release()
 
 
-def _reproduce_locked(root: str, scale: str, readme: str | None) -> int:
+def _reproduce_locked(
+    root: str, scale: str, readme: str | None, chosen: tuple[Experiment, ...]
+) -> int:
     times_path = wd.path(root) / TIMES_FILE
     times = json.loads(times_path.read_text()) if times_path.exists() else {}
     outcomes = []
-    for experiment in experiments.experiment_list():
+    for experiment in chosen:
         outcome = run_experiment(experiment, scale, root, times)
         outcomes.append(outcome)
         if outcome.status in ("ran", "resumed"):
@@ -299,7 +323,7 @@ def _reproduce_locked(root: str, scale: str, readme: str | None) -> int:
             }
             wd.write_json(times_path, times)
     table = claims_table(outcomes)
-    report = format_report(scale, outcomes, table, times)
+    report = format_report(scale, outcomes, table, times, chosen)
     with wd.atomic_open(wd.path(root) / REPORT_FILE) as f:
         f.write(report)
     print(claims.format_claims_table(table), flush=True)
@@ -316,6 +340,12 @@ def _define_flags() -> None:
     flags.DEFINE_enum("scale", "small", SCALES, "Sizes: tiny, small or paper.")
     flags.DEFINE_string(
         "readme", None, "Also write the claims table into this file's marked block (README.md)."
+    )
+    flags.DEFINE_list(
+        "only",
+        [],
+        "Run and report only these experiments (names as in REPORT.md), e.g. "
+        "--only=conditioning; every one when empty.",
     )
     flags.DEFINE_string(
         "compilation_cache",
@@ -341,7 +371,7 @@ def main(argv: list[str]) -> None:
     workdir, scale, readme = flags.FLAGS.workdir, flags.FLAGS.scale, flags.FLAGS.readme
     try:
         check_workdir(workdir)
-        status = reproduce(workdir, scale, readme)
+        status = reproduce(workdir, scale, readme, tuple(flags.FLAGS.only))
         if status:  # an experiment's failed checkpoint save leaves Orbax threads that block exit
             sys.stdout.flush()
             sys.stderr.flush()

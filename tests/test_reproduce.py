@@ -300,3 +300,28 @@ def test_the_readme_block_states_each_experiments_sizes(tmp_path):
     )
     assert "- `conditioning`: P=8 Gaussian samples of M=8, d={64, 128}, L=1; 30 runs" in text
     assert "stale" not in text
+
+
+def test_only_names_known_experiments_and_keeps_the_readme_whole(tmp_path):
+    from resconv_jax import reproduce
+
+    assert [e.name for e in reproduce.selected(("conditioning",))] == ["conditioning"]
+    assert len(reproduce.selected()) == len(reproduce.experiments.experiment_list())
+    with pytest.raises(ValueError, match="--only=nonsense: no such experiment; there are theory"):
+        reproduce.reproduce(str(tmp_path / "w"), "tiny", only=("nonsense",))
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- claims table: start -->\n<!-- claims table: end -->\n")
+    with pytest.raises(ValueError, match="--readme writes the whole claims table"):
+        reproduce.reproduce(str(tmp_path / "w"), "small", str(readme), only=("conditioning",))
+    assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.slow
+def test_only_runs_and_reports_just_the_named_experiment(tmp_path):
+    from resconv_jax import reproduce
+
+    assert reproduce.reproduce(str(tmp_path), "tiny", only=("rank_collapse",)) == 0
+    report = (tmp_path / "REPORT.md").read_text()
+    assert "| 3. residual" in report and "| 3″. residual" in report
+    assert "| 1. linear" not in report and "`theory`" not in report
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["rank_collapse"]

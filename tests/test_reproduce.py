@@ -157,6 +157,19 @@ def test_a_fallback_marks_the_claims_it_measured(tmp_path):
     assert (row.verdict, row.note) == (claims.NOT_RUN, "experiment not run")
 
 
+def test_a_fallback_marks_an_undecided_claim_too(tmp_path):
+    from resconv_jax.experiments.record import ClaimCheck, Experiment
+    from resconv_jax.reproduce import Outcome, claims_table
+
+    def undecided(workdir):
+        return claims.Claim("x″", "m", "t", "v", claims.UNDECIDED, "its note")
+
+    substitute = Experiment("x_random", "X", "tiny.py", {}, (ClaimCheck(1, undecided),),
+                            substitute=" (substitute)")  # fmt: skip
+    (row,) = claims_table([Outcome(substitute, str(tmp_path), "ran", 1.0, [], label="why")])
+    assert (row.verdict, row.note) == ("undecided (substitute)", "why; its note")
+
+
 @pytest.mark.slow
 def test_reproduce_tiny_writes_every_claim_and_knows_its_runs_finished(tmp_path):
     from resconv_jax import experiments, reproduce

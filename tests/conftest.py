@@ -20,5 +20,17 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 assert jax.device_count() == 8, "tests expect 8 CPU devices; import jax only after conftest"
+
+
+@pytest.fixture
+def fewer_draws(monkeypatch):
+    """The claims' statistics at a tenth of the protocol's random draws (exact enumeration
+    unchanged): the verdicts of the synthetic cases do not depend on them, the time does."""
+    from resconv_jax.analysis import stats
+
+    for name, value in {"DRAWS": 10_000, "BOOTSTRAP_DRAWS": 200, "POWER_RESAMPLES": 50,
+                        "POWER_DRAWS": 300}.items():  # fmt: skip
+        monkeypatch.setattr(stats, name, value)

@@ -11,6 +11,8 @@ from resconv_jax.runtime.workdir import write_csv
 
 BETAS = (0, 0.25, 0.5, 0.75, 1)
 
+pytestmark = pytest.mark.usefixtures("fewer_draws")
+
 
 def _descent_dir(folder, steps_of, initial_loss_of, seeds=range(3)):
     rows = [{"run": i, "seed": s, "beta_attn": b, "beta_ffn": b,
@@ -33,7 +35,6 @@ def test_5a_second_reading_holds_when_beta_orders_every_seed_whatever_the_start(
     assert "exact over 1,728,000" in row.value and "power 1.00" in row.value
 
 
-@pytest.mark.slow  # 10 seeds: drawn permutations, 7 s
 def test_5a_second_reading_is_not_held_when_the_start_explains_the_speed(tmp_path):
     # Larger β starts lower, and the steps follow the start alone (with noise).
     noise = np.random.default_rng(1).normal(0, 3, (5, 10))
@@ -49,7 +50,6 @@ def test_5a_second_reading_is_not_held_when_the_start_explains_the_speed(tmp_pat
     assert row.verdict in (claims.UNDECIDED, claims.FAILS), row
 
 
-@pytest.mark.slow  # 10 seeds: drawn permutations, 7 s
 def test_5a_second_reading_fails_when_larger_beta_is_slower(tmp_path):
     start = np.random.default_rng(2).uniform(1, 2, (5, 10))
     row = descent.jena_descent_fixed_start(
@@ -60,8 +60,8 @@ def test_5a_second_reading_fails_when_larger_beta_is_slower(tmp_path):
             seeds=range(10),
         )  # fmt: skip
     )
-    assert row.verdict == claims.FAILS and "10,000" not in row.value, row
-    assert "100,000 draws" in row.value  # 120^10 permutations: drawn, and it says so
+    assert row.verdict == claims.FAILS, row
+    assert "10,000 draws" in row.value  # 120^10 permutations: drawn, and it says so
 
 
 def _conditioning_dir(folder, speed_of):
@@ -81,7 +81,6 @@ def _conditioning_dir(folder, speed_of):
     return str(folder)
 
 
-@pytest.mark.slow  # three sweeps, two widths each: 17 s
 def test_2_second_reading_looks_within_each_beta(tmp_path):
     with_ratio = _conditioning_dir(tmp_path / "a", lambda r, b, rng: 0.01 * r + 1e-4 * b)
     row = conditioning.rate_vs_conditioning_within_beta(with_ratio)

@@ -66,9 +66,12 @@ def stratified_p_value(betas, steps, seeds, *, permutations: int = 5000) -> floa
 
 # --- Tests of the second reading of the claims (docs/protocol.md §5, rows marked ″) ---
 
+# The protocol's counts (docs/protocol.md, the second reading), read when a function is called.
 MAX_EXACT = 2_000_000  # enumerate every within-stratum permutation up to this many, else draw
-DRAWS = 100_000
-POWER_DRAWS = 1000  # permutations per resample of `bootstrap_power`'s test
+DRAWS = 100_000  # random within-stratum permutations when there are more
+BOOTSTRAP_DRAWS = 1000  # seed resamples of an interval
+POWER_RESAMPLES = 200  # seed resamples of a power estimate
+POWER_DRAWS = 1000  # permutations per resample of the power's test
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,11 +120,14 @@ def _within_strata(x: np.ndarray, strata: np.ndarray, *, max_exact: int, draws: 
 
 
 def permutation_test(statistic, x, y, strata, *, alternative: str = "two-sided",
-                     max_exact: int = MAX_EXACT, draws: int = DRAWS, seed: int = 0,
+                     max_exact: int | None = None, draws: int | None = None, seed: int = 0,
                      ) -> PermutationTest:  # fmt: skip
     """Tests `statistic(xs (K, n), y (n,), strata (n,)) -> (K,)` by permuting x within each
     stratum (the runs of one stratum share what makes them dependent; only x is exchangeable
-    there). Exact when there are at most `max_exact` permutations."""
+    there). Exact when there are at most `max_exact` (MAX_EXACT) permutations, else `draws`
+    (DRAWS) random ones."""
+    max_exact = MAX_EXACT if max_exact is None else max_exact
+    draws = DRAWS if draws is None else draws
     x, y, strata = np.asarray(x, float), np.asarray(y, float), np.asarray(strata)
     observed = float(statistic(x[None], y, strata)[0])
     exact = permutation_count(strata) <= max_exact
@@ -204,10 +210,11 @@ def cluster_resamples(rows: list[dict], cluster: str, draws: int, seed: int):
         yield [row | {cluster: k} for k, pick in enumerate(picks) for row in by_label[labels[pick]]]
 
 
-def cluster_bootstrap(statistic, rows: list[dict], cluster: str, *, draws: int = 1000,
+def cluster_bootstrap(statistic, rows: list[dict], cluster: str, *, draws: int | None = None,
                       level: float = 0.95, seed: int = 0) -> tuple[float, float]:  # fmt: skip
     """Percentile interval of `statistic(rows)` over `cluster_resamples`; resamples whose
-    statistic is NaN are left out."""
+    statistic is NaN are left out; `draws` resamples (BOOTSTRAP_DRAWS)."""
+    draws = BOOTSTRAP_DRAWS if draws is None else draws
     values = np.array([statistic(s) for s in cluster_resamples(rows, cluster, draws, seed)])
     values = values[np.isfinite(values)]
     if not values.size:
@@ -218,9 +225,11 @@ def cluster_bootstrap(statistic, rows: list[dict], cluster: str, *, draws: int =
 
 
 def bootstrap_power(p_value, rows: list[dict], cluster: str, *, alpha: float = 0.05,
-                    draws: int = 200, seed: int = 1) -> float:  # fmt: skip
+                    draws: int | None = None, seed: int = 1) -> float:  # fmt: skip
     """The power of a test at the observed effect, estimated as the fraction of
     `cluster_resamples` on which `p_value(rows)` < alpha: how often a rerun with as many
-    clusters from the same population would reach significance."""
+    clusters from the same population would reach significance; `draws` resamples
+    (POWER_RESAMPLES)."""
+    draws = POWER_RESAMPLES if draws is None else draws
     resamples = cluster_resamples(rows, cluster, draws, seed)
     return sum(p_value(sample) < alpha for sample in resamples) / draws

@@ -86,7 +86,7 @@ def gpt2_config(layers: int, quick: bool):
 
 def jena_config(variant: str | None, quick: bool, **overrides):
     if quick:
-        overrides |= {"data.num_train": 32, "sweep.seed": (0,)}
+        overrides |= {"data.num_train": 32, "sweep.seed": (0,), "train.log_every": 2}
     return load_config_file(str(REPO / "configs" / "jena.py"), variant, **overrides)
 
 

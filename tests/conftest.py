@@ -26,11 +26,9 @@ assert jax.device_count() == 8, "tests expect 8 CPU devices; import jax only aft
 
 
 @pytest.fixture
-def fewer_draws(monkeypatch):
-    """The claims' statistics at a tenth of the protocol's random draws (exact enumeration
-    unchanged): the verdicts of the synthetic cases do not depend on them, the time does."""
+def fewer_draws():
+    """The claims' statistics at the smoke-test draw counts (`stats.SMOKE_TEST_COUNTS`)."""
     from resconv_jax.analysis import stats
 
-    for name, value in {"DRAWS": 10_000, "BOOTSTRAP_DRAWS": 200, "POWER_RESAMPLES": 50,
-                        "POWER_DRAWS": 300}.items():  # fmt: skip
-        monkeypatch.setattr(stats, name, value)
+    with stats.counts(**stats.SMOKE_TEST_COUNTS):
+        yield

@@ -4,6 +4,7 @@ pairs with a non-finite entry are left out."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
@@ -72,6 +73,23 @@ DRAWS = 100_000  # random within-stratum permutations when there are more
 BOOTSTRAP_DRAWS = 1000  # seed resamples of an interval
 POWER_RESAMPLES = 200  # seed resamples of a power estimate
 POWER_DRAWS = 1000  # permutations per resample of the power's test
+# A tenth of the random draws (exact enumeration unchanged): for smoke tests (`reproduce
+# --scale=tiny`, whose numbers mean nothing) and synthetic tests whose verdicts do not depend
+# on them.
+SMOKE_TEST_COUNTS = {"DRAWS": 10_000, "BOOTSTRAP_DRAWS": 200, "POWER_RESAMPLES": 50,
+                     "POWER_DRAWS": 300}  # fmt: skip
+
+
+@contextlib.contextmanager
+def counts(**values: int):
+    """Within the block, the module's draw counts (DRAWS, BOOTSTRAP_DRAWS, POWER_RESAMPLES,
+    POWER_DRAWS, MAX_EXACT) set to `values`."""
+    saved = {name: globals()[name] for name in values}
+    globals().update(values)
+    try:
+        yield
+    finally:
+        globals().update(saved)
 
 
 @dataclasses.dataclass(frozen=True)

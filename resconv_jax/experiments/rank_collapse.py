@@ -381,6 +381,12 @@ def spectra(config, workdir: str) -> list[dict]:
     return rows
 
 
+def _row_at(workdir, d_qk: int) -> dict | None:
+    """The aggregated CSV row at `d_qk` with qk_init 1/d_qk (None when there is none)."""
+    rows = claims.read_csv(wd.path(workdir) / CSV_FILE)
+    return next((r for r in rows if r["qk_init"] == "1/d_qk" and r["d_qk"] == d_qk), None)
+
+
 def residual_conditioning(workdir, d_qk: int = 4096, attn_max=1e-4, z_min=0.1) -> Claim:
     """Claim 3: at d_QK = 4096 (variance 1/d_QK) σ_min/σ_max of Attn(X) stays < attn_max and
     that of Attn(X) + X > z_min for every seed (per-sample ratios, mean over samples)."""
@@ -391,14 +397,9 @@ def residual_conditioning(workdir, d_qk: int = 4096, attn_max=1e-4, z_min=0.1) -
     )
     if missing := claims.missing(claim, workdir, CSV_FILE):
         return missing
-    rows = [
-        r
-        for r in claims.read_csv(wd.path(workdir) / CSV_FILE)
-        if r["qk_init"] == "1/d_qk" and r["d_qk"] == d_qk
-    ]
-    if not rows:
+    if (row := _row_at(workdir, d_qk)) is None:
         return dataclasses.replace(claim, note=f"no d_QK = {d_qk} row with qk_init 1/d_qk")
-    attn_worst, z_worst = rows[0]["attn_ratio_p_mean/max"], rows[0]["z_ratio_p_mean/min"]
+    attn_worst, z_worst = row["attn_ratio_p_mean/max"], row["z_ratio_p_mean/min"]
     value = f"Attn(X) ≤ {attn_worst:.3g}, Attn(X) + X ≥ {z_worst:.3g}"
     return dataclasses.replace(
         claim, value=value, verdict=claims.verdict(attn_worst < attn_max and z_worst > z_min)
@@ -415,14 +416,8 @@ def residual_conditioning_stacked(workdir, d_qk: int = 4096, attn_max=1e-4, z_mi
     )
     if missing := claims.missing(claim, workdir, CSV_FILE):
         return missing
-    rows = [
-        r
-        for r in claims.read_csv(wd.path(workdir) / CSV_FILE)
-        if r["qk_init"] == "1/d_qk" and r["d_qk"] == d_qk
-    ]
-    if not rows:
+    if (row := _row_at(workdir, d_qk)) is None:
         return dataclasses.replace(claim, note=f"no d_QK = {d_qk} row with qk_init 1/d_qk")
-    row = rows[0]
     attn = (row["attn_ratio_stacked/min"], row["attn_ratio_stacked/max"])
     z = (row["z_ratio_stacked/min"], row["z_ratio_stacked/max"])
     value = (

@@ -175,7 +175,7 @@ def claims_table(outcomes: list[Outcome]) -> list[Claim]:
         except Exception as error:  # noqa: BLE001 - one unreadable file must not lose the report
             note = f"could not be evaluated: {type(error).__name__}: {error}"
             row = Claim(claim.check.__name__, "-", "-", note=note.splitlines()[0])
-        if row.verdict in (claims.HOLDS, claims.FAILS, claims.UNDECIDED):
+        if row.verdict != claims.NOT_RUN:  # measured: holds, fails or undecided
             note = "; ".join(text for text in (outcome.label, row.note) if text)
             verdict = row.verdict + outcome.experiment.substitute
             row = dataclasses.replace(row, note=note, verdict=verdict)

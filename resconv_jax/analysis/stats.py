@@ -52,17 +52,12 @@ def tau_b(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def stratified_p_value(betas, steps, seeds, *, permutations: int = 5000) -> float:
-    """Two-sided p-value of the pooled Kendall τ under permutations of β within each seed (the
-    runs of one seed share their initial weights, so only β is exchangeable there)."""
-    betas, steps, seeds = (np.asarray(v, float) for v in (betas, steps, seeds))
-    observed = abs(tau_b(betas[None], steps)[0])
-    rng = np.random.default_rng(0)
-    shuffled = np.repeat(betas[None], permutations, axis=0)
-    for seed in np.unique(seeds):
-        group = np.flatnonzero(seeds == seed)
-        shuffled[:, group] = rng.permuted(shuffled[:, group], axis=1)
-    hits = np.sum(np.abs(tau_b(shuffled, steps)) >= observed - 1e-12)
-    return float((hits + 1) / (permutations + 1))
+    """Two-sided p-value of the pooled Kendall τ under `permutations` random permutations of β
+    within each seed (the runs of one seed share their initial weights, so only β is
+    exchangeable there): `permutation_test` as rows 5a and 5a′ were defined."""
+    test = permutation_test(pooled_tau, betas, steps, seeds, alternative="two-sided",
+                            max_exact=0, draws=permutations, seed=0)  # fmt: skip
+    return test.p_value
 
 
 # --- Tests of the second reading of the claims (docs/protocol.md §5, rows marked ″) ---

@@ -76,15 +76,22 @@ def _censored_steps(row: dict, key: str, window: int) -> float:
     return row[key] if np.isfinite(row[key]) else float(window)
 
 
+def _ranked_steps(rows: list[dict], key: str) -> tuple[list[dict], list[float]]:
+    """The rows with an early window, and each one's steps to the level `key` (a run that did
+    not get there counts as the sweep's longest window: `_censored_steps`)."""
+    rows = [r for r in rows if r["window_steps"] > 0]
+    window = max((r["window_steps"] for r in rows), default=0)
+    return rows, [_censored_steps(r, key, window) for r in rows]
+
+
 def ordering(rows: list[dict], fraction: float = HEADLINE) -> dict:
     """Kendall's τ-b between β_a and steps to `fraction`·L_0 over the runs with an early window,
     and per seed; a run that does not reach the level counts as the slowest (`_censored_steps`).
     p_value: the stratified permutation test (`stratified_p_value`); the pooled τ's normal
     p-value would treat runs that share their initial weights as independent."""
     key = f"steps_to_{fraction:g}"
-    rows = [r for r in rows if r["window_steps"] > 0]
+    rows, steps = _ranked_steps(rows, key)
     window = max((r["window_steps"] for r in rows), default=0)
-    steps = [_censored_steps(r, key, window) for r in rows]
     betas, seeds = [r["beta_attn"] for r in rows], [r["seed"] for r in rows]
     tau, _ = kendall(betas, steps)
     p = stratified_p_value(betas, steps, seeds) if np.isfinite(tau) else math.nan
@@ -178,6 +185,13 @@ def write_descent_report(workdir, history: list[dict]) -> str:
     return format_ordering(rows)
 
 
+def _as_replication(claim: Claim, title: str) -> Claim:
+    """`claim` as a row of the replication runs (5a′, docs/protocol.md): `title`, and the
+    replication's data and seeds named in its measure."""
+    measure = claim.measure + " (P = 2041 windows of 2009–2016, seeds 3–12)"
+    return dataclasses.replace(claim, claim=title, measure=measure)
+
+
 def jena_descent(workdir, alpha: float = 0.05, replication: bool = False) -> Claim:
     """Claim 5a: Kendall τ(β, steps until L_t ≤ 0.2·L_0) < 0 with two-sided p < alpha; with
     `replication`, row 5a′ (docs/protocol.md: the same on every window of 2009-2016, seeds
@@ -188,10 +202,8 @@ def jena_descent(workdir, alpha: float = 0.05, replication: bool = False) -> Cla
         f"< 0 with p < {alpha:g}",
     )
     if replication:
-        claim = dataclasses.replace(
-            claim,
-            claim="5a′. Jena replication (rule fixed before it ran): every window, fresh seeds",
-            measure=claim.measure + " (P = 2041 windows of 2009–2016, seeds 3–12)",
+        claim = _as_replication(
+            claim, "5a′. Jena replication (rule fixed before it ran): every window, fresh seeds"
         )
     if missing := claims.missing(claim, workdir, TABLE_FILE):
         return missing
@@ -224,11 +236,9 @@ def fixed_start_ordering(rows: list[dict], fraction: float = HEADLINE, power: bo
     """The second reading of 5a (docs/protocol.md, row 5a″): τ-b(β, steps to `fraction`·L_0)
     with its one-sided stratified permutation test (exact when feasible), Kendall's partial
     τ(β, steps | L_0) with its seed-bootstrap interval, and the power of the test."""
-    key = f"steps_to_{fraction:g}"
-    rows = [r for r in rows if r["window_steps"] > 0]
-    window = max((r["window_steps"] for r in rows), default=0)
-    runs = [{"seed": r["seed"], "beta": r["beta_attn"], "l0": r["initial_loss"],
-             "steps": _censored_steps(r, key, window)} for r in rows]  # fmt: skip
+    rows, steps = _ranked_steps(rows, f"steps_to_{fraction:g}")
+    runs = [{"seed": r["seed"], "beta": r["beta_attn"], "l0": r["initial_loss"], "steps": n}
+            for r, n in zip(rows, steps, strict=True)]  # fmt: skip
 
     def columns(sample):
         return (np.array([r[k] for r in sample], float) for k in ("beta", "steps", "l0", "seed"))
@@ -274,10 +284,8 @@ def jena_descent_fixed_start(workdir, alpha: float = 0.05, replication: bool = F
         "power < 0.8",
     )
     if replication:
-        claim = dataclasses.replace(
-            claim,
-            claim="5a′″. Jena replication, L_0 held fixed (second reading of 5a′)",
-            measure=claim.measure + " (P = 2041 windows of 2009–2016, seeds 3–12)",
+        claim = _as_replication(
+            claim, "5a′″. Jena replication, L_0 held fixed (second reading of 5a′)"
         )
     if missing := claims.missing(claim, workdir, TABLE_FILE):
         return missing

@@ -10,7 +10,6 @@ import itertools
 import math
 
 import numpy as np
-from scipy import stats
 
 
 def spearman(x, y) -> float:
@@ -19,6 +18,8 @@ def spearman(x, y) -> float:
     keep = np.isfinite(x) & np.isfinite(y)
     if keep.sum() < 3:
         return math.nan
+    from scipy import stats  # here: scipy.stats takes a second to import, and most runs never ask
+
     return float(stats.spearmanr(x[keep], y[keep]).statistic)
 
 
@@ -37,6 +38,8 @@ def kendall(x, y) -> tuple[float, float]:
     keep = np.isfinite(x) & np.isfinite(y)
     if keep.sum() < 3:
         return math.nan, math.nan
+    from scipy import stats
+
     result = stats.kendalltau(x[keep], y[keep])
     return float(result.statistic), float(result.pvalue)
 

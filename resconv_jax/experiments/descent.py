@@ -76,12 +76,12 @@ def _censored_steps(row: dict, key: str, window: int) -> float:
     return row[key] if np.isfinite(row[key]) else float(window)
 
 
-def _ranked_steps(rows: list[dict], key: str) -> tuple[list[dict], list[float]]:
-    """The rows with an early window, and each one's steps to the level `key` (a run that did
-    not get there counts as the sweep's longest window: `_censored_steps`)."""
+def _ranked_steps(rows: list[dict], key: str) -> tuple[list[dict], list[float], int]:
+    """The rows with an early window, each one's steps to the level `key` (a run that did not
+    get there counts as the sweep's longest window: `_censored_steps`), and that window."""
     rows = [r for r in rows if r["window_steps"] > 0]
     window = max((r["window_steps"] for r in rows), default=0)
-    return rows, [_censored_steps(r, key, window) for r in rows]
+    return rows, [_censored_steps(r, key, window) for r in rows], window
 
 
 def ordering(rows: list[dict], fraction: float = HEADLINE) -> dict:
@@ -90,8 +90,7 @@ def ordering(rows: list[dict], fraction: float = HEADLINE) -> dict:
     p_value: the stratified permutation test (`stratified_p_value`); the pooled τ's normal
     p-value would treat runs that share their initial weights as independent."""
     key = f"steps_to_{fraction:g}"
-    rows, steps = _ranked_steps(rows, key)
-    window = max((r["window_steps"] for r in rows), default=0)
+    rows, steps, window = _ranked_steps(rows, key)
     betas, seeds = [r["beta_attn"] for r in rows], [r["seed"] for r in rows]
     tau, _ = kendall(betas, steps)
     p = stratified_p_value(betas, steps, seeds) if np.isfinite(tau) else math.nan
@@ -236,7 +235,7 @@ def fixed_start_ordering(rows: list[dict], fraction: float = HEADLINE, power: bo
     """The second reading of 5a (docs/protocol.md, row 5a″): τ-b(β, steps to `fraction`·L_0)
     with its one-sided stratified permutation test (exact when feasible), Kendall's partial
     τ(β, steps | L_0) with its seed-bootstrap interval, and the power of the test."""
-    rows, steps = _ranked_steps(rows, f"steps_to_{fraction:g}")
+    rows, steps, _ = _ranked_steps(rows, f"steps_to_{fraction:g}")
     runs = [{"seed": r["seed"], "beta": r["beta_attn"], "l0": r["initial_loss"], "steps": n}
             for r, n in zip(rows, steps, strict=True)]  # fmt: skip
 

@@ -20,7 +20,7 @@ from absl import logging
 from resconv_jax.analysis.summary import fit_floor, run_summaries
 from resconv_jax.errors import ConfigError
 from resconv_jax.runtime import workdir as wd
-from resconv_jax.runtime.checkpoint import quiet_failed_io, state_digest
+from resconv_jax.runtime.checkpoint import host_state_digest, quiet_failed_io
 from resconv_jax.runtime.metrics import METRICS_FILE, lines_digest, read_metrics_lines, valid_prefix
 from resconv_jax.runtime.workdir import CONFIG_FILE, json_safe, read_saved_config
 from resconv_jax.sweep import expand_runs, group_config, group_folder, group_runs
@@ -158,8 +158,7 @@ def _why_checkpoint_disagrees(folder, prefix) -> str | None:
             is_leaf=lambda node: not isinstance(node, dict | list | tuple),
         )
         state = reader.restore(state_dir, restore_args=as_numpy)
-        with jax.enable_x64(True):  # a float64 run's arrays hashed as float64, as when saved
-            hashes = sorted(state_digest(state).values())
+        hashes = sorted(host_state_digest(state).values())
     except Exception:  # noqa: BLE001 - any failure to read means the resume decides
         return f"the checkpoint of step {steps[-1]} cannot be read"
     finally:

@@ -34,6 +34,7 @@ if __name__ == "__main__":  # before numpy loads OpenBLAS and before the slow im
 
 
 import dataclasses  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import subprocess  # noqa: E402
@@ -55,7 +56,7 @@ from resconv_jax.errors import (  # noqa: E402
     WorkdirWriteError,
     exit_with,
 )
-from resconv_jax.experiments import claims  # noqa: E402
+from resconv_jax.experiments import claims, results_cache  # noqa: E402
 from resconv_jax.experiments.claims import Claim  # noqa: E402
 from resconv_jax.experiments.record import SCALES, Experiment  # noqa: E402
 from resconv_jax.runtime import compile_cache  # noqa: E402
@@ -116,7 +117,7 @@ def _run_one(experiment: Experiment, scale: str, root: str, times: dict) -> Outc
     with jax.enable_x64(float64):
         problem = _unfinished_reason(config, workdir)
         if problem is None:
-            tables = task.report(workdir)
+            tables = experiments.report_tables(task, workdir)
             seconds = times.get(experiment.name, {}).get("seconds")
             print(f"   finished before: reused ({workdir})", flush=True)
             return Outcome(experiment, workdir, "reused", seconds, tables)
@@ -126,7 +127,7 @@ def _run_one(experiment: Experiment, scale: str, root: str, times: dict) -> Outc
             print(f"   {reason}: resuming from the last good checkpoint", flush=True)
         start = time.perf_counter()
         task.run(config, workdir)
-        tables = task.report(workdir)
+        tables = experiments.report_tables(task, workdir)
         for text in tables:
             print(text, flush=True)
         return Outcome(experiment, workdir, status, time.perf_counter() - start, tables, reason)
@@ -171,7 +172,7 @@ def claims_table(outcomes: list[Outcome]) -> list[Claim]:
     for claim, outcome in checks:
         workdir = outcome.workdir if outcome.status != "not run" else None
         try:
-            row = claim.check(workdir)
+            row = _checked(claim.check, workdir)
         except Exception as error:  # noqa: BLE001 - one unreadable file must not lose the report
             note = f"could not be evaluated: {type(error).__name__}: {error}"
             row = Claim(claim.check.__name__, "-", "-", note=note.splitlines()[0])
@@ -181,6 +182,18 @@ def claims_table(outcomes: list[Outcome]) -> list[Claim]:
             row = dataclasses.replace(row, note=note, verdict=verdict)
         rows.append(row)
     return rows
+
+
+def _checked(check, workdir: str | None) -> Claim:
+    """check(workdir), or the row it gave before for the same files, code and draw counts
+    (`results_cache`)."""
+    if workdir is None or not wd.path(workdir).is_dir():
+        return check(workdir)
+    counts = ",".join(f"{name}={value}" for name, value in stats.current_counts().items())
+    name = f"claim:{check.__module__}.{check.__qualname__}:{counts}:{workdir}"
+    compute = functools.partial(check, workdir)
+    return results_cache.cached(workdir, name, compute, encode=dataclasses.asdict,
+                                decode=lambda row: Claim(**row))  # fmt: skip
 
 
 def code_version() -> str:

@@ -176,8 +176,13 @@ def test_a_flipped_bit_in_a_checkpoint_falls_back_to_the_previous(tmp_path, refe
 
 
 def test_a_finished_run_with_a_corrupt_final_checkpoint_is_made_whole(tmp_path, reference):
+    from resconv_jax.finished import why_unfinished
+
     train.run(tiny(), str(tmp_path))
+    assert why_unfinished(tiny(), str(tmp_path)) is None
     flip_one_bit(tmp_path, 40)
+    problem = why_unfinished(tiny(), str(tmp_path))  # main's rerun: not reused, resumed
+    assert problem == "the checkpoint of step 40 does not match its content hashes"
     train.run(tiny(), str(tmp_path))  # retrains 30 -> 40 and saves step 40 again
     steps = Checkpointer(str(tmp_path), every=10, keep=3, use_async=False).steps()
     assert steps[-1] == 40
@@ -408,3 +413,21 @@ def test_why_unfinished_names_what_a_run_lacks(tmp_path):
     assert why_unfinished(longer, str(tmp_path)) == "config.json holds another config"
     (tmp_path / "summary.json").write_text("{garbage")
     assert "summary.json" in why_unfinished(config, str(tmp_path))
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16", "int32", "int64", "uint8"])
+def test_the_host_hash_of_a_checkpoint_is_the_device_hash_saved_with_it(dtype):
+    """The finished check hashes a checkpoint read back as NumPy arrays, by NumPy (nothing to
+    compile); the values are those JAX computed when it was saved."""
+    import jax
+    import jax.numpy as jnp
+
+    from resconv_jax.runtime.checkpoint import host_state_digest, state_digest
+
+    values = np.random.default_rng(0).normal(size=(3, 5, 7)) * 100
+    tree = {"w": values.astype(jnp.dtype(dtype)), "s": {"scalar": values[0, 0, :1].astype(dtype)}}
+    with jax.enable_x64(True):
+        assert host_state_digest(tree) == state_digest(tree)
+    flipped = tree["w"].copy()
+    flipped.reshape(-1).view(np.uint8)[11] ^= 1
+    assert host_state_digest({**tree, "w": flipped}) != host_state_digest(tree)

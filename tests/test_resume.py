@@ -135,19 +135,27 @@ def test_fewer_steps_than_a_run_has_is_refused_touching_nothing(tmp_path, sweep)
 
 def test_a_finished_run_is_reported_again_without_building_anything(tmp_path, capsys, monkeypatch):
     """main's rerun of a finished, intact run (experiments.run_task with reuse_finished) reads
-    its files: train.run is not called, the summaries are those of the run; a damaged record
-    (summary.json gone) goes through train.run, which resumes and rewrites it."""
+    its files: train.run is not called, the summaries are those of the run, the tables printed
+    are the first run's and its figures are not drawn again; a damaged record (summary.json
+    gone) goes through train.run, which resumes and rewrites it."""
     from resconv_jax import experiments
 
     config = load_config_file(TINY, **{"train.num_steps": 20, "train.async_checkpoints": False})
     monkeypatch.chdir(tmp_path)  # a relative --workdir, as users type it
     first = experiments.run_task(config, "run")
+    printed = capsys.readouterr().out  # its progress lines, then its report's tables
+    figures = {png.name: png.stat().st_mtime_ns for png in (tmp_path / "run").glob("*.png")}
+    assert figures
     calls = []
     real_run = train.run
     monkeypatch.setattr(train, "run", lambda *args: calls.append(args) or real_run(*args))
     capsys.readouterr()
     again = experiments.run_task(config, "run", reuse_finished=True)
-    assert not calls and "finished and intact: nothing to train" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert not calls and "finished and intact: nothing to train" in out
+    tables = out.split("\n", 1)[1]
+    assert "β" in tables and printed.endswith(tables)
+    assert {png.name: png.stat().st_mtime_ns for png in (tmp_path / "run").glob("*.png")} == figures
     assert [s["final_loss"] for s in again] == pytest.approx([s["final_loss"] for s in first])
     (tmp_path / "run" / "summary.json").unlink()
     experiments.run_task(config, "run", reuse_finished=True)

@@ -78,6 +78,12 @@ SMOKE_TEST_COUNTS = {"DRAWS": 10_000, "BOOTSTRAP_DRAWS": 200, "POWER_RESAMPLES":
                      "POWER_DRAWS": 300}  # fmt: skip
 
 
+def current_counts() -> dict[str, int]:
+    """The module's draw counts as they are now (what a computed statistic depends on)."""
+    names = ("MAX_EXACT", "DRAWS", "BOOTSTRAP_DRAWS", "POWER_RESAMPLES", "POWER_DRAWS")
+    return {name: globals()[name] for name in names}
+
+
 @contextlib.contextmanager
 def counts(**values: int):
     """Within the block, the module's draw counts (DRAWS, BOOTSTRAP_DRAWS, POWER_RESAMPLES,

@@ -26,6 +26,7 @@ import jax
 
 from resconv_jax.by_name import import_providing, modules_providing, package_modules
 from resconv_jax.errors import ConfigError
+from resconv_jax.experiments import results_cache
 from resconv_jax.finished import SUMMARY_FILE
 from resconv_jax.runtime import workdir as wd
 from resconv_jax.validation import check_workdir, validate_config
@@ -63,7 +64,7 @@ def run_task(config, workdir: str, *, reuse_finished: bool = False) -> list[dict
 
     `reuse_finished` (one process only): when the workdir already holds this config's finished,
     intact result (the task's `why_unfinished`, from the files alone), nothing is built or
-    compiled: the report is written again from the files and the summaries read back.
+    compiled: the summaries are read back and the report is `report_tables`'s.
     """
     task = task_module(config.task)
     if reuse_finished and _holds_finished(task, config, workdir):
@@ -76,9 +77,17 @@ def run_task(config, workdir: str, *, reuse_finished: bool = False) -> list[dict
     else:
         summaries = task.run(config, workdir)
     if jax.process_index() == 0:
-        for table in task.report(workdir):
+        for table in report_tables(task, workdir):
             print(table, flush=True)
     return summaries
+
+
+def report_tables(task: ModuleType, workdir: str) -> list[str]:
+    """The task's report of `workdir` (its figures and tables written, the tables returned);
+    when nothing under `workdir` and nothing in the code changed since it was last written,
+    the tables it returned then, with nothing written (`results_cache`)."""
+    name = f"report:{task.__name__}:{workdir}"
+    return results_cache.cached(workdir, name, lambda: task.report(workdir))
 
 
 def _holds_finished(task: ModuleType, config, workdir: str) -> bool:

@@ -4,21 +4,24 @@ what the metrics hold: early descent, widths, depths, classification errors)."""
 
 from __future__ import annotations
 
-from resconv_jax import finished, train
+from resconv_jax import finished
 from resconv_jax.data import data_module
-from resconv_jax.experiments.run_report import write_run_report
 from resconv_jax.models import model_module
 from resconv_jax.sweep import expand_runs
 
 
 def run(config, workdir: str) -> list[dict]:
     """`train.run`: the per-run summaries."""
+    from resconv_jax import train  # a finished run's rerun builds nothing: not imported then
+
     return train.run(config, workdir)
 
 
 def report(workdir: str) -> list[str]:
     """`run_report.write_run_report`: the tables, as printed."""
-    return write_run_report(workdir)
+    from resconv_jax.experiments import run_report  # matplotlib: not imported for a kept report
+
+    return run_report.write_run_report(workdir)
 
 
 def why_unfinished(config, workdir: str) -> str | None:

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+
+if TYPE_CHECKING:
+    from flax import nnx
 
 
 class RunSettings(NamedTuple):

@@ -26,27 +26,40 @@ from resconv_jax.runtime.multihost import to_host
 from resconv_jax.runtime.workdir import describe_os_error
 
 
-def _fmix32(h: jax.Array) -> jax.Array:
-    """MurmurHash3's 32-bit finalizer: every input bit flips each output bit with p ≈ ½."""
+def _fmix32(h):
+    """MurmurHash3's 32-bit finalizer on uint32 words (a JAX or a NumPy array, wrapping alike):
+    every input bit flips each output bit with p ≈ ½."""
     h = h ^ (h >> 16)
-    h = h * jnp.uint32(0x85EBCA6B)
+    h = h * np.uint32(0x85EBCA6B)
     h = h ^ (h >> 13)
-    h = h * jnp.uint32(0xC2B2AE35)
+    h = h * np.uint32(0xC2B2AE35)
     return h ^ (h >> 16)
+
+
+def _hash_words(words, xp):
+    """The uint32 hash of a flat uint32 word array and the words' positions (`xp`: jnp or np)."""
+    index = xp.arange(words.size, dtype=np.uint32)
+    return xp.sum(_fmix32(words ^ _fmix32(index + np.uint32(0x9E3779B9))), dtype=np.uint32)
 
 
 def _array_hash(x: jax.Array) -> jax.Array:
     """A uint32 hash of an array's bits and their positions (any shape, any 1-8 byte dtype)."""
-    if x.dtype.itemsize == 8:
-        words = jax.lax.bitcast_convert_type(x, jnp.uint32)  # (..., 2)
-    elif x.dtype.itemsize == 4:
-        words = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    if x.dtype.itemsize in (4, 8):
+        words = jax.lax.bitcast_convert_type(x, jnp.uint32)  # 8 bytes: (..., 2), low word first
     else:
         unsigned = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
         words = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
-    words = words.ravel()
-    index = jnp.arange(words.size, dtype=jnp.uint32)
-    return jnp.sum(_fmix32(words ^ _fmix32(index + jnp.uint32(0x9E3779B9))), dtype=jnp.uint32)
+    return _hash_words(words.ravel(), jnp)
+
+
+def _host_array_hash(x: np.ndarray) -> int:
+    """`_array_hash` of a NumPy array, computed by NumPy (nothing to compile): the same value."""
+    x = np.ascontiguousarray(x)
+    if x.dtype.itemsize in (4, 8):
+        words = x.reshape(-1).view(np.uint32)  # little-endian: the low word first, as XLA's
+    else:
+        words = x.reshape(-1).view(f"uint{8 * x.dtype.itemsize}").astype(np.uint32)
+    return int(_hash_words(words, np))
 
 
 @jax.jit
@@ -59,6 +72,12 @@ def state_digest(state) -> dict[str, int]:
     hashes = to_host(_tree_hashes(state))
     flat, _ = jax.tree_util.tree_flatten_with_path(hashes)
     return {jax.tree_util.keystr(path): int(value) for path, value in flat}
+
+
+def host_state_digest(state) -> dict[str, int]:
+    """`state_digest` of a pytree of NumPy arrays (a checkpoint read back as saved), by NumPy."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(state)
+    return {jax.tree_util.keystr(path): _host_array_hash(np.asarray(x)) for path, x in flat}
 
 
 def _from_abandoned_io(unraisable) -> bool:

@@ -98,6 +98,7 @@ class Outcome:
     reason: str = ""
     missing_weights: bool = False  # stopped because the pretrained weights were not found
     label: str = ""  # prefixed to the notes of its claims
+    wall: float = 0.0  # seconds this invocation spent on it (reused: the checks and the report)
 
 
 def _unfinished_reason(config, workdir: str) -> str | None:
@@ -149,15 +150,19 @@ def run_experiment(experiment: Experiment, scale: str, root: str, times: dict) -
     its weights are not found; an error that stops it (bad input, including data and weights:
     ValueError; divergence; a busy or unwritable workdir) becomes a "not run" outcome.
     Preempted is raised: the whole command stops, and a rerun resumes."""
+    start = time.perf_counter()
     outcome = _attempt(experiment, scale, root, times)
     outcome.label = experiment.label
     fallback = experiment.fallback
-    if not outcome.missing_weights or fallback is None:
-        return outcome
-    print(f"   weights unavailable: running {fallback.name} instead ({fallback.title})", flush=True)
-    substitute = _attempt(fallback, scale, root, times)
-    substitute.label = f"{fallback.label} ({outcome.reason})"
-    return substitute
+    if outcome.missing_weights and fallback is not None:
+        print(f"   weights unavailable: running {fallback.name} instead ({fallback.title})",
+              flush=True)  # fmt: skip
+        substitute = _attempt(fallback, scale, root, times)
+        substitute.label = f"{fallback.label} ({outcome.reason})"
+        outcome = substitute
+    outcome.wall = time.perf_counter() - start
+    print(f"   {outcome.experiment.name}: {outcome.status}, {outcome.wall:.1f} s", flush=True)
+    return outcome
 
 
 def claims_table(outcomes: list[Outcome]) -> list[Claim]:
@@ -227,10 +232,16 @@ def machine() -> list[str]:
     ]
 
 
-def format_report(scale: str, outcomes: list[Outcome], table: list[Claim], times: dict,
-                  chosen: tuple[Experiment, ...] | None = None) -> str:  # fmt: skip
+def format_report(
+    scale: str,
+    outcomes: list[Outcome],
+    table: list[Claim],
+    times: dict,
+    chosen: tuple[Experiment, ...] | None = None,
+    total: float = 0.0,
+) -> str:
     """REPORT.md: the claims table, then one section per experiment (those `chosen`, or all),
-    then the machine."""
+    then this invocation's wall times (`total`: the whole command's seconds) and the machine."""
     lines = [
         "# resconv_jax: the paper's claims, checked",
         "",
@@ -260,8 +271,16 @@ def format_report(scale: str, outcomes: list[Outcome], table: list[Claim], times
             root = folder.parent
             for png in sorted(folder.glob("*.png")):
                 lines += [f"![{o.experiment.name}: {png.stem}]({png.relative_to(root)})", ""]
+    lines += ["## Wall times", "", *wall_times(outcomes, total), ""]
     lines += ["## Machine", "", *machine(), ""]
     return "\n".join(lines)
+
+
+def wall_times(outcomes: list[Outcome], total: float) -> list[str]:
+    """This invocation's seconds per experiment and in all, as a Markdown table."""
+    rows = ["| experiment | status | seconds |", "|---|---|---|"]
+    rows += [f"| {o.experiment.name} | {o.status} | {o.wall:.1f} |" for o in outcomes]
+    return rows + [f"| all, from the first experiment to the claims table | | {total:.1f} |"]
 
 
 README_START, README_END = "<!-- claims table: start -->", "<!-- claims table: end -->"
@@ -324,6 +343,7 @@ def reproduce(root: str, scale: str, readme: str | None = None, only: tuple[str,
 def _reproduce_locked(
     root: str, scale: str, readme: str | None, chosen: tuple[Experiment, ...]
 ) -> int:
+    start = time.perf_counter()
     times_path = wd.path(root) / TIMES_FILE
     times = json.loads(times_path.read_text()) if times_path.exists() else {}
     outcomes = []
@@ -340,10 +360,13 @@ def _reproduce_locked(
     smoke_test = stats.counts(**stats.SMOKE_TEST_COUNTS) if scale == "tiny" else nullcontext()
     with smoke_test:  # tiny's numbers mean nothing: fewer random draws for its statistics
         table = claims_table(outcomes)
-    report = format_report(scale, outcomes, table, times, chosen)
+    total = time.perf_counter() - start
+    report = format_report(scale, outcomes, table, times, chosen, total)
     with wd.atomic_open(wd.path(root) / REPORT_FILE) as f:
         f.write(report)
     print(claims.format_claims_table(table), flush=True)
+    spent = ", ".join(f"{o.experiment.name} {o.wall:.0f} s" for o in outcomes)
+    print(f"{total:.0f} s from the first experiment to the claims table ({spent})", flush=True)
     print(f"wrote {wd.path(root) / REPORT_FILE}", flush=True)
     if readme:
         splice_readme(readme, scale, table)

@@ -186,6 +186,8 @@ def test_reproduce_tiny_writes_every_claim_and_knows_its_runs_finished(tmp_path)
         assert f"| {claim}" in report, claim
     assert "random-init GPT-2, not the pretrained model (GPT-2 weights" in report
     assert "## Machine" in report and "jax " in report
+    assert "| theory | ran |" in report and "| sst2_random | ran |" in report  # wall times
+    assert "s from the first experiment to the claims table (theory " in first.stdout
     # A second invocation reuses every experiment (checked end to end by hand: 7 of 7 reused):
     # each one's workdir is recognised as this config's, finished.
     for experiment in experiments.experiment_list():

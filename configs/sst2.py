@@ -20,8 +20,9 @@ model; its output says so) of width 64, 4 heads, 10 blocks, on P = 128 sentences
 tokens, for 2 CPU cores. `:small` (for `reproduce --scale=small`, with either weights): P = 64
 sentences of at most 16 tokens, 100 steps; `:tiny` (a smoke test): P = 16 of at most 8 tokens,
 32 dev sentences, L ∈ {1, 2}, 10 steps. `:full`: all 67,349 GLUE train sentences (packaged,
-`data.source="bundled_full"`), the paper's size and `reproduce --scale=paper`'s, its full-batch
-step in the largest microbatches that fit the device (`train.microbatch_size="auto"`).
+`data.source="bundled_full"`), seeds 0–4 (row 5b″), the paper's size and `reproduce
+--scale=paper`'s, its full-batch step in the largest microbatches that fit the device
+(`train.microbatch_size="auto"`).
 """
 
 from resconv_jax.config_defaults import base_config, variants
@@ -58,6 +59,7 @@ def get_config(arg=None):
         config.data.source = "bundled_full"
         config.data.num_train = -1  # P = 67,349
         config.train.microbatch_size = "auto"  # the largest microbatch that fits the device
+        config.sweep.seed = (0, 1, 2, 3, 4)  # row 5b″'s seeds (docs/protocol.md): 30 runs
     if "small" in chosen:
         config.data.num_train = 64
         config.data.max_tokens = 16

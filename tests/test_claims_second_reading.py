@@ -6,7 +6,14 @@ import json
 import numpy as np
 import pytest
 
-from resconv_jax.experiments import claims, conditioning, convergence, descent, rank_collapse
+from resconv_jax.experiments import (
+    claims,
+    conditioning,
+    convergence,
+    descent,
+    rank_collapse,
+    sst2_seeds,
+)
 from resconv_jax.runtime.workdir import write_csv
 
 BETAS = (0, 0.25, 0.5, 0.75, 1)
@@ -131,3 +138,60 @@ def test_1_second_reading_holds_when_the_loss_stays_under_the_certified_envelope
     ).verdict == (claims.HOLDS)
     slower = convergence.linear_convergence_bound(_theory_dir(tmp_path / "b", 0.98, 0.97))
     assert slower.verdict == claims.FAILS and "bound broken" in slower.value
+
+
+def _sst2_dir(folder, error_of, seeds=range(5), depths=(2, 6, 10), sentences=64):
+    rows = [{"num_layers": L, "beta": float(b), "seed": s, "final_error": error_of(L, b, s)}
+            for L in depths for b in (0, 1) for s in seeds]  # fmt: skip
+    folder.mkdir()
+    write_csv(folder / sst2_seeds.RUNS_FILE, rows)
+    (folder / "config.json").write_text(json.dumps({"data": {"num_train": sentences}}))
+    return str(folder)
+
+
+def _wobble(L, b, s):
+    return 0.01 * ((7 * L + 3 * s + 5 * b) % 5)
+
+
+def test_5b_second_reading_holds_when_the_residual_and_depth_help_in_every_seed(tmp_path):
+    def error(L, b, s):  # β = 1: 0.1 lower, and lower with depth; β = 0: higher with depth
+        return 0.4 - 0.1 * b - (0.01 * L if b else -0.01 * L) + _wobble(L, b, s)
+
+    row = sst2_seeds.sst2_ordering_with_seeds(_sst2_dir(tmp_path / "a", error))
+    assert row.verdict == claims.HOLDS, row
+    assert "exact over 32,768" in row.value and "5 seed(s) per cell" in row.note
+
+
+def test_5b_second_reading_fails_when_the_residual_raises_the_error(tmp_path):
+    row = sst2_seeds.sst2_ordering_with_seeds(
+        _sst2_dir(tmp_path / "a", lambda L, b, s: 0.3 + 0.1 * b - 0.01 * L + _wobble(L, b, s))
+    )
+    assert row.verdict == claims.FAILS, row
+
+
+def test_5b_second_reading_with_one_run_per_cell_is_undecided_and_says_what_it_needs(tmp_path):
+    # Row 5b's small run: errors 0.219/0.406, 0.422/0.359, 0.234/0.359 (β=0/β=1), P = 64.
+    errors = {(2, 0): 0.219, (2, 1): 0.406, (6, 0): 0.422, (6, 1): 0.359, (10, 0): 0.234,
+              (10, 1): 0.359}  # fmt: skip
+    row = sst2_seeds.sst2_ordering_with_seeds(
+        _sst2_dir(tmp_path / "a", lambda L, b, s: errors[L, b], seeds=(0,))
+    )
+    assert row.verdict == claims.UNDECIDED, row
+    assert "exact over 8 " in row.value and "[" not in row.value  # no interval from one seed
+    d = np.mean([errors[L, 1] - errors[L, 0] for L in (2, 6, 10)])
+    e0, e1 = (
+        np.mean([errors[L, 0] for L in (2, 6, 10)]),
+        np.mean([errors[L, 1] for L in (2, 6, 10)]),
+    )
+    spread = np.sqrt((e0 * (1 - e0) + e1 * (1 - e1)) / 64)
+    needed = max(5, int(np.ceil(((1.6448536 + 0.8416212) * spread / abs(d)) ** 2)))
+    assert f"seeds per cell needed for power 0.8: {needed} (binomial spread over P = 64" in row.note
+
+
+def test_the_sign_flip_test_is_exact_over_every_sign_pattern():
+    d = np.array([-0.1, -0.2, 0.05, -0.15])
+    test = sst2_seeds.sign_flip_test(d)
+    patterns = np.array(np.meshgrid(*[[1, -1]] * d.size)).reshape(d.size, -1).T
+    expected = np.mean((patterns * d).mean(axis=1) <= d.mean() + 1e-12)
+    assert test.exact and test.count == 16 and test.alternative == "less"
+    assert test.observed == pytest.approx(d.mean()) and test.p_value == pytest.approx(expected)

@@ -150,11 +150,12 @@ def test_a_fallback_marks_the_claims_it_measured(tmp_path):
         {"num_layers": L, "beta_attn": b, "beta_ffn": b, classification.FINAL_ERROR: e}
         for (L, b), e in errors.items()])  # fmt: skip
     ran = Outcome(sst2.fallback, str(tmp_path / "sst2_random"), "ran", 1.0, [], label="why")
-    (row,) = claims_table([ran])
+    row, with_seeds = claims_table([ran])  # rows 5b and 5b″
     assert row.verdict == "holds (random-init substitute, not the claim's model)"
     assert row.note.startswith("why; β=1 lower at every L: True")
-    (row,) = claims_table([Outcome(sst2, str(tmp_path / "sst2"), "not run", None, [], "gone")])
-    assert (row.verdict, row.note) == (claims.NOT_RUN, "experiment not run")
+    assert with_seeds.verdict == claims.NOT_RUN and "run_errors.csv missing" in with_seeds.note
+    not_run = claims_table([Outcome(sst2, str(tmp_path / "sst2"), "not run", None, [], "gone")])
+    assert {(row.verdict, row.note) for row in not_run} == {(claims.NOT_RUN, "experiment not run")}
 
 
 def test_a_fallback_marks_an_undecided_claim_too(tmp_path):

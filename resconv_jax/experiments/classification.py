@@ -4,7 +4,8 @@ Written, from the metrics lines, next to the per-β table whenever the runs log 
 `errors.png` (training loss and training / validation error against step, one curve per run),
 `accuracy_table.csv` (one row per (L, β): final training error and validation accuracy, means over
 seeds) and `layers_table.csv` (one row per run and layer: σ_min(Z)/‖Z‖_F and the rank-collapse
-residual of Attn and Z at the first and the last probed step).
+residual of Attn and Z at the first and the last probed step); `run_errors.csv` (one row per
+run: L, β, seed, final training error; row 5b″ reads it, `sst2_seeds`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from resconv_jax.experiments import claims  # noqa: E402
 from resconv_jax.experiments.claims import Claim  # noqa: E402
 from resconv_jax.experiments.figures import beta_label, first_lines, group_key, save_figure  # noqa: E402
 from resconv_jax.experiments.record import ClaimCheck, Experiment, scale_variants  # noqa: E402
+from resconv_jax.experiments.sst2_seeds import RUNS_FILE, run_rows, sst2_ordering_with_seeds  # noqa: E402
 from resconv_jax.runtime import workdir as wd  # noqa: E402
 from resconv_jax.runtime.workdir import write_csv  # noqa: E402
 
@@ -87,12 +89,15 @@ def layer_rows(history: list[dict]) -> list[dict]:
 
 
 def write_classification_report(workdir, history: list[dict]) -> list[dict]:
-    """errors.png, accuracy_table.csv and layers_table.csv in `workdir`; the accuracy rows."""
+    """errors.png, accuracy_table.csv, layers_table.csv and run_errors.csv (one row per run,
+    for row 5b″) in `workdir`; the accuracy rows."""
     workdir = wd.path(workdir)
     plot_errors(history, workdir / "errors.png")
     rows = accuracy_rows(history)
     write_csv(workdir / ACCURACY_FILE, rows)
     write_csv(workdir / LAYERS_FILE, layer_rows(history))
+    if per_run := run_rows(history, first_lines(history)):
+        write_csv(workdir / RUNS_FILE, per_run)
     return rows
 
 
@@ -142,14 +147,15 @@ def sst2_ordering(workdir) -> Claim:
     return dataclasses.replace(claim, value=value, verdict=claims.verdict(ok), note=note)
 
 
-_FILES = (ACCURACY_FILE, LAYERS_FILE, "errors.png", "beta_table.csv")
+_FILES = (ACCURACY_FILE, LAYERS_FILE, RUNS_FILE, "errors.png", "beta_table.csv")
+_CLAIMS = (ClaimCheck(5.2, sst2_ordering), ClaimCheck(5.21, sst2_ordering_with_seeds))
 EXPERIMENTS = (
     Experiment(
         "sst2",
         "SST-2, pretrained GPT-2",
         "sst2.py",
         scale_variants(paper="full"),
-        claims=(ClaimCheck(5.2, sst2_ordering),),
+        claims=_CLAIMS,
         files=_FILES,
         label="pretrained GPT-2",
         fallback=Experiment(
@@ -157,7 +163,7 @@ EXPERIMENTS = (
             "SST-2, random-init GPT-2 (not the pretrained model)",
             "sst2.py",
             scale_variants("random_small,tiny", "random_small,small", "random_small"),
-            claims=(ClaimCheck(5.2, sst2_ordering),),
+            claims=_CLAIMS,
             files=_FILES,
             label="random-init GPT-2, not the pretrained model",
             substitute=" (random-init substitute, not the claim's model)",

@@ -70,6 +70,7 @@ def get_config(arg=None):
         config.data.num_val = 32
         config.train.num_steps = 10
         config.sweep.num_layers = (1, 2)
+        config.train.runs_per_chunk = 0  # both runs in one program: one compile, not two
     if chosen & {"small", "tiny"}:
         config.train.checkpoint_every = 10
         config.train.print_every = 10

@@ -78,6 +78,7 @@ def test_microbatches_count_every_sample_once(size):
     np.testing.assert_array_equal(out, x)
 
 
+@pytest.mark.slow
 def test_float64_theory_run_equals_the_whole_batch(tmp_path):
     """P = 10 over 2 'data' shards in microbatches of 3 (5 = 3 + 2: the last one overlaps): every
     metric, the probe's σ and the certificate's λ, to 1e-12 relative."""
@@ -160,6 +161,7 @@ def test_the_microbatched_step_moves_no_samples_between_devices():
     assert params < activations * 8  # the bound above would catch a gathered batch
 
 
+@pytest.mark.slow
 def test_a_step_that_does_not_fit_names_a_microbatch_size_that_does(monkeypatch):
     config = config_of("tiny.py", **{"data.num_samples": 64, "sweep.beta": ()})
     whole = train.build_program(config).runners.largest

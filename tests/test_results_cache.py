@@ -111,3 +111,16 @@ def test_a_claim_row_is_kept_per_folder_state_and_draw_counts(run_dir):
     assert reproduce._checked(check_something, str(run_dir)).value == "3"
     assert calls == [stats.DRAWS, 7, stats.DRAWS]
     assert reproduce._checked(check_something, None).note == "None"  # not run: nothing kept
+
+
+def test_the_code_digest_follows_the_versions_of_what_computes_the_reports(monkeypatch):
+    before = results_cache.code_digest()
+    results_cache.code_digest.cache_clear()
+    real = results_cache.metadata.version
+    monkeypatch.setattr(
+        results_cache.metadata, "version", lambda name: "0.0" if name == "scipy" else real(name)
+    )
+    try:
+        assert results_cache.code_digest() != before
+    finally:
+        results_cache.code_digest.cache_clear()

@@ -2,13 +2,14 @@
 those files and this package's code stay as they were.
 
 FOLDER/results_cache.json holds the digest of every file under FOLDER (its checkpoint folders,
-lock and this file aside: no report or claim reads them) and of every source file of this
-package, with what was computed from them. A call that finds the same digests returns what was
-stored instead of computing it again: a finished run's rerun prints its tables without drawing
-its figures again, and a reused experiment's claims come back without their statistics being
-recomputed. Any change to a file under FOLDER (a metrics line, a figure deleted or edited) or to
-the code computes afresh. The cache is only ever a copy: a folder where it cannot be written
-(read-only, full) computes every time, with the same results.
+lock and this file aside: no report or claim reads them), of every source file of this package
+and of the versions of NumPy, SciPy, matplotlib and JAX, with what was computed from them. A
+call that finds the same digests returns what was stored instead of computing it again: a
+finished run's rerun prints its tables without drawing its figures again, and a reused
+experiment's claims come back without their statistics being recomputed. Any change to a file
+under FOLDER (a metrics line, a figure deleted or edited), to the code or to those versions
+computes afresh. The cache is only ever a copy: a folder where it cannot be written (read-only,
+full) computes every time, with the same results.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+from importlib import metadata
 from pathlib import Path
 
 from resconv_jax.runtime import workdir as wd
@@ -24,13 +26,23 @@ CACHE_FILE = "results_cache.json"
 _SKIPPED = {CACHE_FILE, wd.LOCK_FILE, "checkpoints"}
 
 
+# The packages whose versions can change a report's numbers or figures.
+_DEPENDENCIES = ("numpy", "scipy", "matplotlib", "jax", "jaxlib")
+
+
 @functools.cache
 def code_digest() -> str:
-    """SHA-256 over the path and content of every .py file of the resconv_jax package."""
+    """SHA-256 over the path and content of every .py file of the resconv_jax package and the
+    versions of the packages that compute the reports (`_DEPENDENCIES`)."""
     package = Path(__file__).resolve().parents[1]
     digest = hashlib.sha256()
     for source in sorted(package.rglob("*.py")):
         digest.update(str(source.relative_to(package)).encode() + b"\0" + source.read_bytes())
+    for name in _DEPENDENCIES:
+        try:
+            digest.update(f"{name}=={metadata.version(name)}".encode())
+        except metadata.PackageNotFoundError:
+            digest.update(f"{name} absent".encode())
     return digest.hexdigest()
 
 

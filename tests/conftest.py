@@ -32,3 +32,9 @@ def fewer_draws():
 
     with stats.counts(**stats.SMOKE_TEST_COUNTS):
         yield
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slow tests first (in their files' order): under pytest-xdist the long ones start
+    early and the short ones fill the end, rather than one worker finishing a long test alone."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

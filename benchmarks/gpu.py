@@ -10,7 +10,8 @@ chunk timed after one warm-up call, the median of `--repeats` calls:
 
   matmul      one (N, N) @ (N, N) float32 product, N = 8192 (--quick: 512): the FLOP/s ceiling
   gpt2 L=2    random GPT-2-small-shaped classifier (768 wide, 12 heads), first L blocks, one GD
-  gpt2 L=10   step on 32 SST-2 sentences of 64 tokens (configs/sst2.py), probe off
+  gpt2 L=10   step on 32 SST-2 sentences of 64 tokens (configs/sst2.py), probe off (--quick:
+              L = 2 and 3, 32 wide)
   jena        configs/jena.py's 15-run sweep, a chunk of 10 steps with the probe on its first
   jena/noprobe  the same chunk without the probe (the probe's cost as trained)
   jena full   configs/jena.py:full (P = 2041, microbatches of 64), a 10-step chunk, probe off
@@ -115,8 +116,7 @@ def main(argv=None) -> None:
     ceiling = mm_flops / mm_seconds
     peak = nominal_peak(device.device_kind)
     cases = {
-        "gpt2 L=2": gpt2_config(2, args.quick),
-        "gpt2 L=10": gpt2_config(10, args.quick),
+        **{f"gpt2 L={L}": gpt2_config(L, args.quick) for L in ((2, 3) if args.quick else (2, 10))},
         "jena": jena_config(None, args.quick),
         "jena/noprobe": jena_config(None, args.quick, **{"probe.enabled": False}),
         "jena full": jena_config("full", args.quick, **{"probe.enabled": False}),

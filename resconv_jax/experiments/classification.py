@@ -23,12 +23,16 @@ from resconv_jax.experiments import claims  # noqa: E402
 from resconv_jax.experiments.claims import Claim  # noqa: E402
 from resconv_jax.experiments.figures import beta_label, first_lines, group_key, save_figure  # noqa: E402
 from resconv_jax.experiments.record import ClaimCheck, Experiment, scale_variants  # noqa: E402
-from resconv_jax.experiments.sst2_seeds import RUNS_FILE, run_rows, sst2_ordering_with_seeds  # noqa: E402
+from resconv_jax.experiments.sst2_seeds import (  # noqa: E402
+    FINAL_ERROR,  # the column of ACCURACY_FILE (and RUNS_FILE) that claims 5b and 5b″ read
+    RUNS_FILE,
+    run_rows,
+    sst2_ordering_with_seeds,
+)
 from resconv_jax.runtime import workdir as wd  # noqa: E402
 from resconv_jax.runtime.workdir import write_csv  # noqa: E402
 
 ACCURACY_FILE, LAYERS_FILE = "accuracy_table.csv", "layers_table.csv"
-FINAL_ERROR = "final_error"  # the column of ACCURACY_FILE that claim 5b reads
 LAYER_KEYS = ("z/sigma_min_over_fro", "z/collapse_residual", "attn/collapse_residual")
 
 

@@ -72,13 +72,16 @@ def _read(folder) -> dict:
     return stored if isinstance(stored, dict) else {}
 
 
+def _kept_for(stored: dict, files: str) -> bool:
+    """Whether `stored` was kept for these files (`files_digest`) and the code as it is."""
+    return stored.get("code") == code_digest() and stored.get("files") == files
+
+
 def lookup(folder, name: str):
     """What `store` kept under `name` for the files `folder` holds now and the code as it is,
     else None."""
     stored = _read(folder)
-    if stored.get("code") != code_digest() or stored.get("files") != files_digest(folder):
-        return None
-    return stored.get("entries", {}).get(name)
+    return stored.get("entries", {}).get(name) if _kept_for(stored, files_digest(folder)) else None
 
 
 def store(folder, name: str, value) -> None:
@@ -86,7 +89,7 @@ def store(folder, name: str, value) -> None:
     other files are dropped. A folder that cannot be written keeps nothing."""
     files = files_digest(folder)
     stored = _read(folder)
-    if stored.get("code") != code_digest() or stored.get("files") != files:
+    if not _kept_for(stored, files):
         stored = {"code": code_digest(), "files": files, "entries": {}}
     stored["entries"][name] = value
     try:

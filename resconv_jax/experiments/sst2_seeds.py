@@ -55,11 +55,15 @@ def sign_flip_test(differences, **draws) -> stats.PermutationTest:
     return stats.permutation_test(_mean_difference, x, y, strata, alternative="less", **draws)
 
 
+def _mean_difference_of(pairs: list[dict]) -> float:
+    return float(np.mean([p["d"] for p in pairs]))
+
+
 def _interval(pairs: list[dict]) -> tuple[float, float]:
     """The seed bootstrap's 95 % interval of the mean difference; none (NaN) from one seed."""
     if len({p["seed"] for p in pairs}) < 2:
         return math.nan, math.nan
-    return stats.cluster_bootstrap(lambda s: float(np.mean([p["d"] for p in s])), pairs, "seed")
+    return stats.cluster_bootstrap(_mean_difference_of, pairs, "seed")
 
 
 def _power(pairs: list[dict]) -> float:
@@ -85,7 +89,7 @@ def seeds_needed(pairs: list[dict], errors: tuple[float, float], sentences: int 
         spread = math.sqrt(sum(e * (1 - e) for e in errors) / sentences)
     else:
         return math.nan
-    mean = float(np.mean([p["d"] for p in pairs]))
+    mean = _mean_difference_of(pairs)
     if mean == 0 or spread == 0:
         return math.nan
     return float(max(FEWEST_SEEDS, math.ceil((_Z_SUM * spread / abs(mean)) ** 2)))
@@ -123,7 +127,8 @@ def sst2_ordering_with_seeds(workdir, alpha: float = 0.05) -> Claim:
         return dataclasses.replace(claim, note="needs β = 0 and β = 1 at two depths or more")
     test = sign_flip_test([p["d"] for p in residual])
     interval, power = _interval(residual), _power(residual)
-    per_depth = {L: _interval([p for p in residual if p["num_layers"] == L]) for L in depths}
+    at_depth = {L: [p for p in residual if p["num_layers"] == L] for L in depths}
+    per_depth = {L: _interval(pairs) for L, pairs in at_depth.items()}
     residual_ok = (
         test.observed < 0
         and test.p_value < alpha
@@ -152,26 +157,22 @@ def sst2_ordering_with_seeds(workdir, alpha: float = 0.05) -> Claim:
     )
     needed = seeds_needed(residual, mean_error, sentences)
 
-    def mean(pairs):
-        return float(np.mean([p["d"] for p in pairs]))
-
     per_l = ", ".join(
-        f"L={L} {mean([p for p in residual if p['num_layers'] == L]):+.3f}{_bounds(per_depth[L])}"
-        for L in depths
+        f"L={L} {_mean_difference_of(at_depth[L]):+.3f}{_bounds(per_depth[L])}" for L in depths
+    )
+    depth_at_1 = (
+        f"{depth_test.observed:+.3f}{_bounds(depth_interval[1.0])}, {depth_test.describe()}"
+        if depth_test
+        else "-"
+    )
+    depth_at_0 = (
+        f", at β=0: {_mean_difference_of(deeper[0.0]):+.3f}{_bounds(depth_interval[0.0])}"
+        if deeper[0.0]
+        else ""
     )
     value = (
         f"d̄ = {test.observed:+.3f}{_bounds(interval)}, {test.describe()}, power {power:.2f}; "
-        f"per L: {per_l}; e(L_max) − e(L_min) at β=1: "
-        + (
-            f"{depth_test.observed:+.3f}{_bounds(depth_interval[1.0])}, {depth_test.describe()}"
-            if depth_test
-            else "-"
-        )  # fmt: skip
-        + (
-            f", at β=0: {mean(deeper[0.0]):+.3f}{_bounds(depth_interval[0.0])}"
-            if deeper[0.0]
-            else ""
-        )
+        f"per L: {per_l}; e(L_max) − e(L_min) at β=1: {depth_at_1}{depth_at_0}"
     )
     note = f"{seeds} seed(s) per cell; seeds per cell needed for power 0.8: {needed:.0f}"
     if seeds < 2:

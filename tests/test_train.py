@@ -111,7 +111,7 @@ def test_runs_stepped_a_chunk_at_a_time_equal_runs_stepped_together(tmp_path):
     train.run(tiny(**one_device, **{"train.runs_per_chunk": 2}), str(tmp_path / "chunked"))
     together, chunked = losses_by_run(tmp_path / "together"), losses_by_run(tmp_path / "chunked")
     for run in (0, 1, 2):
-        np.testing.assert_allclose(chunked[run], together[run], rtol=1e-6)
+        np.testing.assert_allclose(chunked[run], together[run], rtol=1e-5)  # float32
 
 
 @pytest.mark.slow

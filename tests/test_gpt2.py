@@ -192,9 +192,11 @@ def test_betas_as_arrays_under_jit_and_vmap(folders):
     run = jax.jit(jax.vmap(lambda b_a, b_f: gpt2.apply(graphdef, params, inputs, b_a, b_f)))
     swept = run(betas, betas[::-1])
     for i, (b_a, b_f) in enumerate(zip(betas, betas[::-1], strict=True)):
-        np.testing.assert_allclose(
-            swept[i], gpt2.apply(graphdef, params, inputs, float(b_a), float(b_f)), rtol=1e-5
-        )
+        alone = np.asarray(gpt2.apply(graphdef, params, inputs, float(b_a), float(b_f)))
+        # float32 rounding on the logits' scale, as test_forward_matches_numpy: at XLA's -O0
+        # on an AMD EPYC, the vmapped and the single program differ up to 1e-7 (5.5e-7 of the
+        # largest |logit|), 1.4e-5 relative on a logit near 0.
+        np.testing.assert_allclose(swept[i], alone, rtol=1e-5, atol=1e-5 * np.abs(alone).max())
 
 
 def test_body_is_copied_and_head_is_fresh_from_seed(folders, tensors):

@@ -15,10 +15,42 @@ def test_the_gpu_script_runs_its_cases_at_small_sizes(capsys):
         assert case in out, case
 
 
+@pytest.mark.parametrize("model", ["gpt2", "transformer"])
+def test_a_scaling_case_is_one_run(model):
+    """One run (β = 1) whatever the base config sweeps (configs/sst2.py:full sweeps 5 seeds)."""
+    from resconv_jax.sweep import expand_runs
+
+    (run,) = expand_runs(scaling.case_config(model, 256, 64))
+    assert (run.beta_attn, run.beta_ffn) == (1.0, 1.0)
+
+
 def test_a_scaling_case_reports_its_memory_and_time():
     record = scaling.run_case("transformer", 64, 16, 1)
     assert record["P"] == 64 and record["microbatch"] == 16
     assert record["temp_bytes"] > 0 and record["peak_rss_bytes"] > 0 and record["step_seconds"] > 0
+
+
+def test_the_scaling_report_fits_a_fixed_and_a_per_sample_cost():
+    def case(num, seconds_per_round):
+        measured = [
+            {
+                "model": "m",
+                "P": num,
+                "microbatch": 64,
+                "temp_bytes": 2**20,
+                "peak_rss_bytes": 2**30,
+                "step_seconds": s,
+            }
+            for s in seconds_per_round
+        ]
+        return scaling.best_of(measured)  # fmt: skip
+
+    # 10 ms + 100 µs per sample, one round slowed by a load: the fastest round counts.
+    records = [case(p, (0.01 + 1e-4 * p, 0.03 + 1e-4 * p)) for p in (256, 1024, 4096)]
+    text = "\n".join(scaling.report(records, "m", 64))
+    assert "step time = 10.0 ms + 100.0 µs·P (the fixed part is 28 % of the P = 256 step)" in text
+    assert "time per sample within 19 % of the mean (target ±15 %): NOT met" in text
+    assert "the fastest of 2 rounds" in text
 
 
 @pytest.mark.slow

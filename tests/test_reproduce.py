@@ -171,6 +171,29 @@ def test_a_fallback_marks_an_undecided_claim_too(tmp_path):
     assert (row.verdict, row.note) == ("undecided (substitute)", "why; its note")
 
 
+def check_the_sst2_random_run(folder):
+    """configs/sst2.py:random_small,tiny end to end (a random GPT-2 at L ∈ {1, 2}, 16 sentences
+    and 32 dev sentences): metrics with error rates, σ(Z) at step 0, the per-(L, β) tables."""
+    from resconv_jax.runtime.metrics import read_metrics
+
+    summaries = json.loads((folder / "summary.json").read_text())
+    assert [(s["num_layers"], s["beta_attn"]) for s in summaries] == [
+        (1, 0.0), (1, 1.0), (2, 0.0), (2, 1.0)
+    ]  # fmt: skip
+    lines = read_metrics(str(folder))
+    last = [r for r in lines if r["step"] == 10]
+    # Error rates over 16 sentences (train) and 32 (validation): whole multiples of 1/16, 1/32.
+    rates = np.array([[r["error"] * 16, r["val_error"] * 32] for r in last])
+    assert len(last) == 4
+    np.testing.assert_allclose(rates, np.round(rates), atol=1e-4)
+    assert all(r["layer0/z/sigma_max"] > 0 for r in lines if r["step"] == 0)
+    for name in ("beta_table.csv", "loss_by_beta.png", "errors.png", "accuracy_table.csv"):
+        assert (folder / name).exists(), name
+    layers = (folder / "layers_table.csv").read_text().splitlines()
+    assert len(layers) == 1 + 2 * 1 + 2 * 2  # header, then one row per run and layer
+    assert "z/collapse_residual/start" in layers[0]
+
+
 @pytest.mark.slow
 def test_reproduce_tiny_writes_every_claim_and_knows_its_runs_finished(tmp_path):
     from resconv_jax import experiments, reproduce
@@ -189,6 +212,7 @@ def test_reproduce_tiny_writes_every_claim_and_knows_its_runs_finished(tmp_path)
     assert "## Machine" in report and "jax " in report
     assert "| theory | ran |" in report and "| sst2_random | ran |" in report  # wall times
     assert "s from the first experiment to the claims table (theory " in first.stdout
+    check_the_sst2_random_run(tmp_path / "sst2_random")
     # A second invocation reuses every experiment (checked end to end by hand: 7 of 7 reused):
     # each one's workdir is recognised as this config's, finished.
     for experiment in experiments.experiment_list():

@@ -281,49 +281,6 @@ def test_tfds_bad_data_writes_nothing(tmp_path: Path):
     assert not data_dir.exists()
 
 
-@pytest.mark.slow
-def test_sst2_config_trains_a_tiny_random_gpt2(tmp_path):
-    """configs/sst2.py end to end on a tiny random GPT-2: metrics with errors, the per-β table."""
-    from resconv_jax import experiments
-    from resconv_jax.config_defaults import load_config_file
-    from resconv_jax.runtime.metrics import read_metrics
-
-    config = load_config_file(
-        os.path.join(os.path.dirname(__file__), "..", "configs", "sst2.py"),
-        **{
-            "model.gpt2.weights": "random",
-            "sweep.num_layers": (1, 2),
-            "train.num_steps": 10,
-            "train.log_every": 5,
-            "train.print_every": 5,
-            "train.checkpoint_every": 5,
-            "data.num_train": 16,
-            "data.num_val": 16,
-            "data.max_tokens": 16,
-        },
-    )
-    with config.unlocked():
-        config.model.gpt2.shape.update(n_embd=16, n_head=2, n_layer=3, n_positions=16)
-    summaries = experiments.run_task(config, str(tmp_path))
-    assert [(s["num_layers"], s["beta_attn"]) for s in summaries] == [
-        (1, 0.0),
-        (1, 1.0),
-        (2, 0.0),
-        (2, 1.0),
-    ]
-    last = [r for r in read_metrics(str(tmp_path)) if r["step"] == 10]
-    # Error rates over 16 sentences each (train and validation): whole multiples of 1/16.
-    rates = np.array([[r["error"], r["val_error"]] for r in last]) * 16
-    np.testing.assert_allclose(rates, np.round(rates), atol=1e-4)
-    first = [r for r in read_metrics(str(tmp_path)) if r["step"] == 0]
-    assert all(r["layer0/z/sigma_max"] > 0 for r in first)
-    for name in ("beta_table.csv", "loss_by_beta.png", "errors.png", "accuracy_table.csv"):
-        assert (tmp_path / name).exists(), name
-    layers = (tmp_path / "layers_table.csv").read_text().splitlines()
-    assert len(layers) == 1 + 2 * 1 + 2 * 2  # header, then one row per run and layer
-    assert "z/collapse_residual/start" in layers[0]
-
-
 def test_a_one_element_depth_sweep_beyond_the_checkpoint_is_refused(tmp_path):
     """sweep.num_layers=(6,) on a 3-block GPT-2: one line naming both depths, no workdir."""
     from resconv_jax import train

@@ -21,7 +21,13 @@ import numpy as np  # noqa: E402
 from resconv_jax.analysis.summary import series  # noqa: E402
 from resconv_jax.experiments import claims  # noqa: E402
 from resconv_jax.experiments.claims import Claim  # noqa: E402
-from resconv_jax.experiments.figures import beta_label, first_lines, group_key, save_figure  # noqa: E402
+from resconv_jax.experiments.figures import (  # noqa: E402
+    DPI,
+    beta_label,
+    first_lines,
+    group_key,
+    save_figure,
+)
 from resconv_jax.experiments.record import ClaimCheck, Experiment, scale_variants  # noqa: E402
 from resconv_jax.experiments.sst2_seeds import (  # noqa: E402
     FINAL_ERROR,  # the column of ACCURACY_FILE (and RUNS_FILE) that claims 5b and 5b″ read
@@ -38,7 +44,7 @@ LAYER_KEYS = ("z/sigma_min_over_fro", "z/collapse_residual", "attn/collapse_resi
 
 def plot_errors(history: list[dict], path: str) -> None:
     """Training loss (log scale) and training error (—) / validation error (⋯) against step."""
-    fig, (ax_loss, ax_error) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax_loss, ax_error) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=DPI)
     runs = first_lines(history)
     colors = plt.cm.viridis(np.linspace(0, 0.9, max(len(runs), 1)))
     for color, run in zip(colors, runs, strict=True):

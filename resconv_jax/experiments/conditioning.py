@@ -23,7 +23,7 @@ from resconv_jax.analysis.stats import log_slope, spearman
 from resconv_jax.analysis.summary import FIT_FLOOR, fit_rate, series
 from resconv_jax.experiments import claims
 from resconv_jax.experiments.claims import Claim
-from resconv_jax.experiments.figures import plt, save_figure
+from resconv_jax.experiments.figures import DPI, plt, save_figure
 from resconv_jax.experiments.record import ClaimCheck, Experiment, scale_variants
 from resconv_jax.runtime import workdir as wd
 from resconv_jax.runtime.workdir import write_csv
@@ -130,7 +130,7 @@ def _by_width(rows: list[dict]):
 def plot_rate_scatter(rows: list[dict], table: list[dict], path) -> None:
     """1 − rate against σ_min²/σ_max²(Z) and against η·λ_min(K) at initialization, per width."""
     rho = {entry["dim"]: entry for entry in table}
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4), dpi=DPI)
     panels = (
         ("z_ratio_sq_init", "σ_min²/σ_max² of Z = Attn(X) + βX at initialization"),
         ("eta_lambda_min_init", "η·λ_min(K) at initialization (tangent kernel)"),
@@ -151,7 +151,7 @@ def plot_rate_scatter(rows: list[dict], table: list[dict], path) -> None:
 def plot_step_size(rows: list[dict], path) -> None:
     """The stable step 2/λ_max(K) against σ_max²(Z), both at initialization, per width; the η
     used drawn as a line."""
-    fig, ax = plt.subplots(figsize=(6, 4.4))
+    fig, ax = plt.subplots(figsize=(6, 4.4), dpi=DPI)
     for dim, color, same in _by_width(rows):
         x = [row["z_sigma_max_sq_init"] for row in same]
         ax.loglog(x, [row["stable_lr_init"] for row in same], "o", color=color, label=f"d = {dim}")

@@ -20,7 +20,7 @@ from resconv_jax.analysis.stats import spearman
 from resconv_jax.analysis.summary import FIT_FLOOR, fit_rate, series
 from resconv_jax.experiments import claims
 from resconv_jax.experiments.claims import Claim
-from resconv_jax.experiments.figures import plt, save_figure
+from resconv_jax.experiments.figures import DPI, plt, save_figure
 from resconv_jax.experiments.record import ClaimCheck, Experiment, scale_variants
 from resconv_jax.runtime import workdir as wd
 from resconv_jax.runtime.workdir import write_csv
@@ -94,7 +94,8 @@ def plot_depth_sigma(history: list[dict], rows: list[dict], path, eps: float) ->
     betas = sorted({r["beta_attn"] for r in rows})
     styles = dict(zip(betas, ["-", "--", ":", "-."] * (len(betas) // 4 + 1), strict=False))
     colors = plt.cm.plasma(np.linspace(0, 0.85, max(depths)))
-    fig, axes = plt.subplots(1, len(depths), figsize=(3.3 * len(depths) + 1.6, 3.6), squeeze=False)
+    size = (3.3 * len(depths) + 1.6, 3.6)
+    fig, axes = plt.subplots(1, len(depths), figsize=size, squeeze=False, dpi=DPI)
     floored = False
     for ax, layers in zip(axes[0], depths, strict=True):
         for row in (r for r in rows if r["num_layers"] == layers and r["seed"] == rows[0]["seed"]):

@@ -23,7 +23,7 @@ from resconv_jax.analysis import stats
 from resconv_jax.analysis.stats import kendall, stratified_p_value
 from resconv_jax.experiments import claims
 from resconv_jax.experiments.claims import Claim
-from resconv_jax.experiments.figures import plt, save_figure
+from resconv_jax.experiments.figures import DPI, plt, save_figure
 from resconv_jax.experiments.record import ClaimCheck, Experiment, scale_variants
 from resconv_jax.runtime import workdir as wd
 from resconv_jax.runtime.workdir import write_csv
@@ -129,7 +129,7 @@ def plot_descent(history: list[dict], rows: list[dict], path) -> None:
     seeds = sorted({r["seed"] for r in rows})
     colors = dict(zip(betas, plt.cm.viridis(np.linspace(0, 0.9, len(betas))), strict=True))
     styles = dict(zip(seeds, ["-", "--", ":", "-."] * (len(seeds) // 4 + 1), strict=False))
-    fig, (ax_curve, ax_steps) = plt.subplots(1, 2, figsize=(11, 4.4))
+    fig, (ax_curve, ax_steps) = plt.subplots(1, 2, figsize=(11, 4.4), dpi=DPI)
     for row in rows:
         losses = early_losses(history, row["run"])
         label = f"β={row['beta_attn']:g}" if row["seed"] == seeds[0] else None

@@ -244,7 +244,7 @@ def plot(path: str, rows: list[dict], x_ratio: float, title: str, dtype: str = "
     from matplotlib.figure import Figure
 
     qk_inits = list(dict.fromkeys(r["qk_init"] for r in rows))
-    fig = Figure(figsize=(5.2 * len(qk_inits), 4.8), layout="constrained")
+    fig = Figure(figsize=(5.2 * len(qk_inits), 4.8), layout="constrained", dpi=120)
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, len(qk_inits), sharey=True, squeeze=False)[0]
     curves = (

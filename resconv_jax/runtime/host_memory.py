@@ -6,7 +6,7 @@ back in page by page: the GPT-2-small-shaped step of `benchmarks/vs_hf_gpt2.py` 
 of temporaries) takes 144,000 minor page faults and 0.69-1.07 s per step, against 0 faults and
 0.58-0.60 s in 4 of 4 steps with `keep_freed_memory` (2 cores, AMD EPYC, 2026-12-03; now and then
 a step still maps a temporary afresh: tests/test_host_memory.py). It sets, by `mallopt`, one
-arena, no mmap and no trimming: freed memory stays in the heap for the next step.
+arena, no mmap, and a 2 GiB trim threshold: freed memory stays in the heap for the next step.
 
 It acts only before jax is imported (XLA's threads, once started, keep arenas of their own), so
 `resconv_jax.main` and `resconv_jax.reproduce` call it first thing; a process that imported jax
@@ -24,6 +24,7 @@ import sys
 
 ENV = "RESCONV_JAX_HOST_MALLOC"
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8  # glibc's <malloc.h>
+_TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int: 2 GiB
 
 
 def _glibc():
@@ -37,14 +38,14 @@ def _glibc():
 
 
 def keep_freed_memory() -> bool:
-    """One malloc arena, no mmap, no trimming; True when set. Nothing is changed (False)
+    """One malloc arena, no mmap, a 2 GiB trim threshold; True when set. Nothing is changed (False)
     after jax was imported, with RESCONV_JAX_HOST_MALLOC=default, or without glibc."""
     if "jax" in sys.modules or os.environ.get(ENV, "") == "default":
         return False
     libc = _glibc()
     if libc is None:
         return False
-    settings = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1))  # -1: never trim
+    settings = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
     return all(libc.mallopt(option, value) == 1 for option, value in settings)
 
 

@@ -24,10 +24,8 @@ import os
 import sys
 import traceback
 
-from resconv_jax.runtime import host_memory, signals
+from resconv_jax.runtime import signals
 
-# Before jax starts XLA's threads: freed step buffers stay in the heap (host_memory).
-host_memory.keep_freed_memory()
 # Seen from the first moment: a SIGTERM during the imports below stops the run before it starts.
 # (A multi-process run hands SIGTERM back to JAX's preemption notifier once the flags are read.)
 signals.install()

@@ -27,9 +27,8 @@ import os
 import sys
 
 if __name__ == "__main__":  # before numpy loads OpenBLAS and before the slow imports
-    from resconv_jax.runtime import host_memory, signals
+    from resconv_jax.runtime import signals
 
-    host_memory.keep_freed_memory()  # before jax starts XLA's threads (host_memory)
     signals.install()
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as in main: threaded OpenBLAS slows LAPACK
 

@@ -12,7 +12,6 @@ import os
 import jax
 
 from resconv_jax.errors import ConfigError
-from resconv_jax.runtime import host_memory
 
 
 def format_bytes(num: float) -> str:
@@ -24,14 +23,12 @@ def format_bytes(num: float) -> str:
 
 
 def host_available_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo (Linux) plus what malloc holds free for this process
-    (`host_memory.free_heap_bytes`: kept, not returned, under `keep_freed_memory`), else
-    physical memory; None if unknown."""
+    """MemAvailable of /proc/meminfo (Linux), else physical memory; None if unknown."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024 + host_memory.free_heap_bytes()
+                    return int(line.split()[1]) * 1024
     except OSError:
         pass
     try:

@@ -18,8 +18,8 @@ sample. The microbatched cases (a fixed `--microbatch` n) are compared with the 
 (memory: ratio largest/smallest, the target ≤ 1.25) and with each other (time/P: spread around
 the mean, the target ±15 %), and with the whole batch at once ("whole", where it fits) at the
 same P in the same run. The least-squares line step time = a + b·P separates the fixed cost of a
-step (a: updating every parameter, 3.3 M for this GPT-2, 3.2 M of them its 50,257 × 64 token
-embedding) from the cost per sample (b).
+step (a: ~9 ms for this GPT-2, ~6 ms of it with its 50,257 × 64 token embedding, 3.2 M of its 3.3 M
+parameters; RESULTS.md §6) from the cost per sample (b).
 """
 
 from __future__ import annotations
@@ -140,8 +140,8 @@ def best_of(measured: list[dict]) -> dict:
 
 
 def affine_fit(num_samples: list[int], seconds: list[float]) -> tuple[float, float]:
-    """(a, b) of the least-squares line step time = a + b·P: a fixed per-step cost (the update
-    of every parameter, whatever P) and a cost per sample."""
+    """(a, b) of the least-squares line step time = a + b·P: a fixed per-step cost (whatever P)
+    and a cost per sample."""
     slope, intercept = np.polyfit(np.asarray(num_samples, float), np.asarray(seconds), 1)
     return float(intercept), float(slope)
 

@@ -8,13 +8,13 @@ claim, then each experiment's tables and figures, the machine, versions and wall
 `--only` runs and reports just the named experiments (REPORT.md's names, e.g.
 `--only=conditioning --scale=paper` for claim 2's full sweep); `--readme` needs them all.
 
-`small` takes about 12 minutes on 2 CPU cores (2026-12-01, from scratch); `paper` is the full
-protocol (a GPU or a pod); `tiny` is a smoke test whose numbers mean nothing. A finished
+`small` takes 6-12 minutes on 2 CPU cores (from scratch; README.md has the measured times); `paper`
+is the full protocol (a GPU or a pod); `tiny` is a smoke test whose numbers mean nothing. A finished
 experiment is reused, not rerun, only when its files pass the checks a resume makes (its task's
 `why_unfinished`: this scale's config, every run's line at every logged step up to the last, the
-checkpoint's record of those lines, summary.json as they give it); an interrupted or damaged one
-is resumed from its last good checkpoint, and the report says why. An experiment whose weights
-are not found runs its fallback instead (SST-2: the random-init GPT-2), labelled so.
+checkpoint's record of those lines, summary.json as they give it); an interrupted or damaged one is
+resumed from its last good checkpoint, and the report says why. An experiment whose weights are not
+found runs its fallback instead (SST-2: the random-init GPT-2), labelled so.
 
 Exit status: 0 when every experiment ran, resumed or was reused, 1 when one could not run (the
 report says which and why), 2 for bad flags or a workdir that cannot be written, 3 when another

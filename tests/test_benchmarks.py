@@ -54,6 +54,20 @@ def test_the_scaling_report_fits_a_fixed_and_a_per_sample_cost():
 
 
 @pytest.mark.slow
+def test_the_hugging_face_comparison_checks_agreement_and_times_at_a_small_size(capsys):
+    """benchmarks/vs_hf_gpt2.py end to end where requirements-bench.txt is installed (torch and
+    transformers are not in the dev install: skipped there). It stopped in its agreement check
+    from 974d2d4 to 1d02bb1 unnoticed."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from benchmarks import vs_hf_gpt2
+
+    vs_hf_gpt2.main(["--layers", "1", "--batch", "4", "--tokens", "8", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert "L=1: loss at start JAX" in out and "| 1 " in out and "of matmul" in out
+
+
+@pytest.mark.slow
 def test_the_finished_rerun_benchmark_times_its_three_commands(tmp_path, capsys):
     finished_rerun.main(["--config=configs/tiny.py", "--repeats=1", f"--workdir={tmp_path / 'w'}"])
     out = capsys.readouterr().out

@@ -2,7 +2,10 @@
 
 Wall time of one `python -m resconv_jax.main --config=configs/theory.py` command with
 `--config.sweep.beta="(0.0,0.25,0.5,0.75,1.0)"` against five commands with one β each (each a
-fresh process and workdir, the same number of steps), the order alternated between repeats.
+fresh process and workdir, the same number of steps), the order alternated between repeats. Each
+command gets an empty compilation cache of its own (`--compilation_cache=DIR`): every command
+compiles, as before main kept JAX's persistent cache by default; otherwise the first command of a
+run would compile for the rest, and which one that is would decide the ratio.
 Target: the sweep command >= 3x faster than the five.
 """
 
@@ -60,7 +63,8 @@ def bench_commands(repeats: int, steps: int | None, flags: list[str]) -> str:
                 wall = compile_s = 0.0
                 for i, betas in enumerate(betas_list):
                     workdir = os.path.join(root, f"{which}{r}_{i}")
-                    w, c = run_command(command(betas, workdir, steps, flags))
+                    cold = f"--compilation_cache={os.path.join(root, f'cache_{which}{r}_{i}')}"
+                    w, c = run_command(command(betas, workdir, steps, [cold, *flags]))
                     wall, compile_s = wall + w, compile_s + c
                 walls[which].append(wall)
                 compiles[which].append(compile_s)
@@ -84,7 +88,8 @@ def bench_commands(repeats: int, steps: int | None, flags: list[str]) -> str:
         f"### Whole commands, configs/theory.py, {steps} steps per run, beta in {SWEEP_BETAS}"
         + (f", extra flags {' '.join(flags)}" if flags else "")
         + "\n\n"
-        f"{repeats} repeat(s), order alternated; each command a fresh process and workdir; "
+        f"{repeats} repeat(s), order alternated; each command a fresh process, workdir and "
+        "(empty) compilation cache; "
         f"load average {common.load_average()}. 'compile' is the sum of the 'compiled in' times "
         "the commands print (part of the wall time).\n\n"
         + common.table(["case", "commands", "wall (median)", "compile", "speedup"], rows)

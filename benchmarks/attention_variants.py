@@ -78,11 +78,11 @@ def make_steps(variant: str, x: jax.Array, y: jax.Array):
     return jax.jit(steps)
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=9)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     keys = jax.random.split(jax.random.key(0), 8)
     shapes = {
         "w_q": (D, D_QK),

@@ -4,7 +4,14 @@ the finished-rerun benchmark."""
 
 import pytest
 
-from benchmarks import finished_rerun, gpu, scaling
+from benchmarks import (
+    attention_variants,
+    finished_rerun,
+    gpu,
+    probe_overhead,
+    scaling,
+    sweep_vs_sequential,
+)
 
 
 @pytest.mark.slow
@@ -65,6 +72,29 @@ def test_the_hugging_face_comparison_checks_agreement_and_times_at_a_small_size(
     vs_hf_gpt2.main(["--layers", "1", "--batch", "4", "--tokens", "8", "--repeats", "1"])
     out = capsys.readouterr().out
     assert "L=1: loss at start JAX" in out and "| 1 " in out and "of matmul" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "main, argv, expected",
+    [
+        (attention_variants.main, ["--repeats", "1", "--runs", "1"], ["library", "keys_major"]),
+        (probe_overhead.main, ["--sizes", "theory", "--repeats", "1"], ["| theory |"]),
+        (
+            sweep_vs_sequential.main,
+            ["--part", "steps", "--sizes", "theory", "--repeats", "1"],
+            ["check: plain R=5: losses after", "| library"],
+        ),
+    ],
+    ids=["attention_variants", "probe_overhead", "sweep_vs_sequential"],
+)
+def test_an_in_process_benchmark_runs_at_its_smallest(main, argv, expected, capsys):
+    """Each benchmark that needs no torch, at one repeat: it runs, checks its agreement and prints
+    its table (benchmarks/vs_hf_gpt2.py once stopped in its check for weeks unnoticed)."""
+    main(argv)
+    out = capsys.readouterr().out
+    for text in expected:
+        assert text in out, (text, out[-2000:])
 
 
 @pytest.mark.slow

@@ -1,12 +1,15 @@
 """`step.make_step_functions` with train.microbatch_size = n > 0: every full-batch value in one
 microbatch's memory.
 
-One GD step is still one step on the exact full-batch gradient: the loss shares and gradients of
-the microbatches (`microbatch.Microbatches`: n samples of every 'data' shard at a time) are summed
-in a `fori_loop` inside the compiled step, in the training dtype, and the optimizer is applied
-once. The probe of a chunk's first step is accumulated over the same microbatches
-(`probe_running`), evaluate and error sum over microbatches, and the tangent kernel sees J through
-products formed microbatch by microbatch (`jacobian.microbatched`).
+One GD step is still one step on the exact full-batch gradient: the loss shares and gradients of the
+microbatches (`microbatch.Microbatches`: n samples of every 'data' shard at a time) are summed in a
+`fori_loop` inside the compiled step, in the training dtype, and the optimizer is applied once.
+Without the probe each 'data' shard's gradient is summed over the microbatches on its own device and
+the shards' sums are added after the loop: one all-reduce per step, not one per microbatch (with the
+probe, a chunk's first step, the loop all-reduces each microbatch's). The probe of a chunk's first
+step is accumulated over the same microbatches (`probe_running`), evaluate and error sum over
+microbatches, and the tangent kernel sees J through products formed microbatch by microbatch
+(`jacobian.microbatched`).
 
 Float32: the shares are summed without compensation, a blocked summation; on
 configs/jena.py:full its gradient is closer to float64's than the whole batch's single reduction
@@ -72,6 +75,8 @@ def make_step_functions(
             (loss, inter), grads = over_runs(one_run, runs_per_chunk)(params, hp)
             return loss, grads, inter, weights
 
+        if not with_probe and batches.num_shards > 1:
+            return sharded_gradient(params, hp, batches, x, y)
         loss_shape, grads_shape, inter_shape, _ = jax.eval_shape(part, 0)
         running = probe_running.start(probe, inter_shape) if with_probe else None
 
@@ -88,6 +93,31 @@ def make_step_functions(
             return loss, grads, None
         seq_len = inter_shape["z"].shape[3]
         return loss, grads, probe_running.finish(probe, running, batches.num_samples, seq_len)
+
+    def sharded_gradient(params, hp, batches: Microbatches, x, y):
+        """`gradient` without the probe, each 'data' shard's share summed over the microbatches
+        apart ((S, R, ...) partial sums, one per shard and so per device) and the S partial
+        sums added once after the loop: one all-reduce of the gradient per step, not one per
+        microbatch."""
+        value_and_grad = jax.value_and_grad(lambda *a: grad_share(*a, False)[0])
+
+        def by_shard(tree):
+            return jax.tree.map(lambda a: a.reshape(batches.num_shards, -1, *a.shape[1:]), tree)
+
+        def part(k):
+            xk, yk = by_shard(batches.take(x, k)), by_shard(batches.take(y, k))
+            weights = by_shard(batches.weights(k, floats(params)))
+
+            def shard_share(xs, ys, ws):
+                def one_run(p, h):
+                    return value_and_grad(p, h, xs, ys, ws, batches.num_samples)
+
+                return over_runs(one_run, runs_per_chunk)(params, hp)
+
+            return jax.vmap(shard_share)(xk, yk, weights)
+
+        loss, grads = batches.sum(part, zeros_like(jax.eval_shape(part, 0)))
+        return loss.sum(0), jax.tree.map(lambda g: g.sum(0), grads), None
 
     def any_step(state, hp, x, y, with_probe: bool):
         params = state["params"]

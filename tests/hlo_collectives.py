@@ -64,3 +64,23 @@ def largest_collective_elements(hlo_text: str) -> int:
         operand_sizes = [sizes.get(o, 0) for o in re.findall(r"%([^\s,)]+)", operands)]
         largest = max(largest, sizes[name], _max_elements(operands), *operand_sizes)
     return largest
+
+
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([^\s(]+)\s*\(.*\{\s*$")
+
+
+def collectives_in_loops(hlo_text: str, trip_count: int) -> list[str]:
+    """The collectives run in the body of a while loop of static `trip_count` iterations (XLA's
+    `known_trip_count`), as "body: instruction" strings; [] when there are none."""
+    bodies, found, current = set(), [], None
+    for line in hlo_text.splitlines():
+        if " while(" in line and f'"known_trip_count":{{"n":"{trip_count}"}}' in line:
+            bodies.add(re.search(r"body=%?([^\s,]+)", line).group(1))
+    for line in hlo_text.splitlines():
+        if m := _COMPUTATION.match(line):
+            current = m.group(1)
+        elif (m := _INSTRUCTION.match(line)) and current in bodies:
+            op = _split_type(m.group(2))[1].partition("(")[0]
+            if op.removesuffix("-start").removesuffix("-done") in _COLLECTIVES:
+                found.append(f"{current}: {m.group(1)}")
+    return found

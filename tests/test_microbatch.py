@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hlo_collectives import largest_collective_elements
+from hlo_collectives import collectives_in_loops, largest_collective_elements
 
 from resconv_jax import experiments, sharding, train
 from resconv_jax.config_defaults import load_config_file
@@ -159,6 +159,22 @@ def test_the_microbatched_step_moves_no_samples_between_devices():
     activations = 2 * 8 * 4 * 32  # one microbatch of Z: (S·n, M, d)
     assert largest_collective_elements(hlo) <= max(params, 32 * 32)
     assert params < activations * 8  # the bound above would catch a gathered batch
+
+
+def test_the_gradient_is_all_reduced_once_per_step_not_once_per_microbatch():
+    """On a 1 x 8 mesh, 4 microbatches per shard: each device sums its shard's gradient over the
+    microbatches, and the one all-reduce follows the loop (a pod pays one per step)."""
+    config = config_of(
+        "tiny.py",
+        **{"data.num_samples": 64, "train.microbatch_size": 2, "sweep.beta": (), "mesh.data": 8,
+           "probe.enabled": False},
+    )  # fmt: skip
+    program = train.build_program(config)
+    assert "(4 per step)" in program.runners.memory_description(program.y.sharding.mesh)
+    hlo = program.runners.largest.as_text()
+    assert '"known_trip_count":{"n":"4"}' in hlo  # the microbatch loops are there
+    assert collectives_in_loops(hlo, 4) == []
+    assert " all-reduce" in hlo
 
 
 @pytest.mark.slow

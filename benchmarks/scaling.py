@@ -203,7 +203,7 @@ def report(records: list[dict], model: str, microbatch: int) -> list[str]:
             f"(the fixed part is {100 * fixed / parts[0]['step_seconds']:.0f} % of the "
             f"P = {parts[0]['P']} step)"
         )
-    runs = [len(r.get("rounds", [0])) for r in parts]
+    runs = [len(r["rounds"]) for r in parts]
     verdicts.append(
         f"step times: the fastest of {min(runs)} rounds (fresh processes, round-robin) per case"
     )

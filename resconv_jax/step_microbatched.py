@@ -65,18 +65,37 @@ def make_step_functions(
         batches = batches_of(y)
         value_and_grad = jax.value_and_grad(grad_share, has_aux=True)
 
-        def part(k):
-            xk, yk = batches.take(x, k), batches.take(y, k)
-            weights = batches.weights(k, floats(params))
+        def microbatch(k):
+            """Microbatch k's x, y and sample weights, (S·n, ...) split over 'data'."""
+            return batches.take(x, k), batches.take(y, k), batches.weights(k, floats(params))
+
+        def share(xk, yk, weights):
+            """((R,) loss shares, intermediates), (R, ...) gradients over these samples."""
 
             def one_run(p, h):
                 return value_and_grad(p, h, xk, yk, weights, batches.num_samples, with_probe)
 
-            (loss, inter), grads = over_runs(one_run, runs_per_chunk)(params, hp)
-            return loss, grads, inter, weights
+            return over_runs(one_run, runs_per_chunk)(params, hp)
 
         if not with_probe and batches.num_shards > 1:
-            return sharded_gradient(params, hp, batches, x, y)
+            # Each shard's gradient summed over the microbatches on its own device ((S, R, ...)
+            # partial sums), the S sums added after the loop: one all-reduce per step, not one
+            # per microbatch.
+            def by_shard(tree):
+                return jax.tree.map(lambda a: a.reshape(batches.num_shards, -1, *a.shape[1:]), tree)
+
+            def shard_part(k):
+                (loss, _), grads = jax.vmap(share)(*by_shard(microbatch(k)))
+                return loss, grads
+
+            loss, grads = batches.sum(shard_part, zeros_like(jax.eval_shape(shard_part, 0)))
+            return loss.sum(0), jax.tree.map(lambda g: g.sum(0), grads), None
+
+        def part(k):
+            xk, yk, weights = microbatch(k)
+            (loss, inter), grads = share(xk, yk, weights)
+            return loss, grads, inter, weights
+
         loss_shape, grads_shape, inter_shape, _ = jax.eval_shape(part, 0)
         running = probe_running.start(probe, inter_shape) if with_probe else None
 
@@ -93,31 +112,6 @@ def make_step_functions(
             return loss, grads, None
         seq_len = inter_shape["z"].shape[3]
         return loss, grads, probe_running.finish(probe, running, batches.num_samples, seq_len)
-
-    def sharded_gradient(params, hp, batches: Microbatches, x, y):
-        """`gradient` without the probe, each 'data' shard's share summed over the microbatches
-        apart ((S, R, ...) partial sums, one per shard and so per device) and the S partial
-        sums added once after the loop: one all-reduce of the gradient per step, not one per
-        microbatch."""
-        value_and_grad = jax.value_and_grad(lambda *a: grad_share(*a, False)[0])
-
-        def by_shard(tree):
-            return jax.tree.map(lambda a: a.reshape(batches.num_shards, -1, *a.shape[1:]), tree)
-
-        def part(k):
-            xk, yk = by_shard(batches.take(x, k)), by_shard(batches.take(y, k))
-            weights = by_shard(batches.weights(k, floats(params)))
-
-            def shard_share(xs, ys, ws):
-                def one_run(p, h):
-                    return value_and_grad(p, h, xs, ys, ws, batches.num_samples)
-
-                return over_runs(one_run, runs_per_chunk)(params, hp)
-
-            return jax.vmap(shard_share)(xk, yk, weights)
-
-        loss, grads = batches.sum(part, zeros_like(jax.eval_shape(part, 0)))
-        return loss.sum(0), jax.tree.map(lambda g: g.sum(0), grads), None
 
     def any_step(state, hp, x, y, with_probe: bool):
         params = state["params"]

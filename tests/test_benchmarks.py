@@ -50,7 +50,7 @@ def test_the_scaling_report_fits_a_fixed_and_a_per_sample_cost():
             }
             for s in seconds_per_round
         ]
-        return scaling.best_of(measured)  # fmt: skip
+        return scaling.best_of(measured)
 
     # 10 ms + 100 µs per sample, one round slowed by a load: the fastest round counts.
     records = [case(p, (0.01 + 1e-4 * p, 0.03 + 1e-4 * p)) for p in (256, 1024, 4096)]

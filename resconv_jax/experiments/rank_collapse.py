@@ -299,7 +299,7 @@ def plot(path: str, rows: list[dict], x_ratio: float, title: str, dtype: str = "
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncol=5, fontsize=8)
     fig.suptitle(title)
-    write_png(fig, path, dpi=120)
+    write_png(fig, path, dpi=fig.dpi)
 
 
 def spectra(config, workdir: str) -> list[dict]:

@@ -8,6 +8,7 @@ from benchmarks import (
     attention_variants,
     finished_rerun,
     gpu,
+    op_profile,
     probe_overhead,
     scaling,
     sweep_vs_sequential,
@@ -85,8 +86,13 @@ def test_the_hugging_face_comparison_checks_agreement_and_times_at_a_small_size(
             ["--part", "steps", "--sizes", "theory", "--repeats", "1"],
             ["check: plain R=5: losses after", "| library"],
         ),
+        (
+            op_profile.main,
+            ["--P", "16", "--steps", "2", "--calls", "1", "--top", "500"],
+            ["untraced step", "dot of (f32[16,24,24], f32[16,24,6])"],
+        ),
     ],
-    ids=["attention_variants", "probe_overhead", "sweep_vs_sequential"],
+    ids=["attention_variants", "probe_overhead", "sweep_vs_sequential", "op_profile"],
 )
 def test_an_in_process_benchmark_runs_at_its_smallest(main, argv, expected, capsys):
     """Each benchmark that needs no torch, at one repeat: it runs, checks its agreement and prints

@@ -1,0 +1,138 @@
+"""Where one training step's time goes: the compiled step's ops, ranked by time per step.
+
+    python -m benchmarks.op_profile                      # the Jena-like size, one run
+    python -m benchmarks.op_profile --size jena --P 2041 --top 20
+
+Runs the library's step (`common.build_runs`, the fast_backward model, one run, K steps per call
+as resconv_jax.train runs them) under `jax.profiler.trace`, reads the Perfetto trace it writes and
+prints, per XLA op (a fusion, a dot, a copy): microseconds per step, its share of the step, its
+output shape and the JAX operation it came from (the HLO's op_name). The untraced step time, taken
+first in the same process, is the baseline; the profiler adds a few microseconds per op, so the
+shares, not the absolute times, are what to read. Shapes and names come from the compiled HLO.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import gzip
+import json
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+
+from benchmarks import common  # noqa: E402
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+) ([\w\-]+)\(")
+_COMPUTATION = re.compile(r"^%?([\w.\-]+) \((.*)\) -> \S+ \{")
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_PLUMBING = {"parameter", "bitcast", "constant", "broadcast", "tuple", "get-tuple-element"}
+
+
+def _fused_summaries(hlo_text: str) -> dict[str, str]:
+    """{computation name: 'its opcodes (but plumbing) of (its parameter shapes)'}."""
+    summaries, name, params, opcodes = {}, None, "", []
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header:
+            name, opcodes = header.group(1), []
+            params = re.sub(r"[\w.]+: ", "", header.group(2))
+        elif name and line.startswith("}"):
+            summaries[name] = f"{'+'.join(dict.fromkeys(opcodes))} of ({params})"
+            name = None
+        elif name:
+            match = _INSTRUCTION.match(line)
+            if match and match.group(3) not in _PLUMBING:
+                opcodes.append(match.group(3))
+    return summaries
+
+
+def hlo_ops(hlo_text: str) -> dict[str, tuple[str, str]]:
+    """{instruction name: (output shape, what it computes)} of a compiled HLO module: a fusion's
+    opcodes and operand shapes, else its opcode, with the JAX op_name's last part when known."""
+    fused = _fused_summaries(hlo_text)
+    ops = {}
+    for line in hlo_text.splitlines():
+        match = _INSTRUCTION.match(line)
+        if match:
+            calls, op_name = _CALLS.search(line), _OP_NAME.search(line)
+            what = fused.get(calls.group(1), match.group(3)) if calls else match.group(3)
+            if op_name:
+                what += f" [{op_name.group(1).rpartition('/')[2]}]"
+            ops[match.group(1)] = (match.group(2), what)
+    return ops
+
+
+def op_times(trace_dir: str, names: set[str]) -> collections.Counter:
+    """Total microseconds of each op in `names` over the Perfetto trace under `trace_dir`."""
+    (path,) = Path(trace_dir).rglob("*.trace.json.gz")
+    events = json.loads(gzip.decompress(path.read_bytes()))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    totals = collections.Counter()
+    for event in events:
+        if event.get("ph") == "X" and event.get("name") in names:
+            totals[event["name"]] += event.get("dur", 0)
+    return totals
+
+
+def profile(size: common.Size, steps_per_call: int, calls: int, top: int) -> str:
+    """The table of the `top` slowest ops of one run's step at `size`."""
+    runs = common.build_runs(size, (1.0,), steps_per_call)
+    case = common.Case(runs.fns.run_steps, [runs], steps_per_call)
+    for _ in range(2):
+        jax.block_until_ready(case())
+    untraced = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        jax.block_until_ready(case())
+        untraced.append((time.perf_counter() - start) / steps_per_call)
+    ops = hlo_ops(case.compiled.as_text())
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            for _ in range(calls):
+                jax.block_until_ready(case())
+        totals = op_times(trace_dir, set(ops))
+    steps = calls * steps_per_call
+    traced = sum(totals.values()) / steps
+    rows = []
+    for name, micros in totals.most_common(top):
+        shape, what = ops[name]
+        share = f"{100 * micros / steps / traced:.1f}%"
+        rows.append([name, f"{micros / steps:.1f}", share, shape.partition("{")[0], what])
+    lines = [
+        f"{size.name} size, {size.describe()}, 1 run: untraced step "
+        f"{common.fmt_time(min(untraced))} (fastest of {calls} calls of {steps_per_call} steps); "
+        "traced ops "
+        f"{common.fmt_time(traced * 1e-6)} per step over {len(totals)} ops",
+        "",
+        common.table(["op", "us/step", "share", "output", "computes"], rows),
+    ]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="jena", choices=sorted(common.SIZES))
+    parser.add_argument("--P", type=int, default=0, help="samples (0: the size's own)")
+    parser.add_argument("--steps", type=int, default=50, help="steps per call")
+    parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--top", type=int, default=15)
+    args = parser.parse_args(argv)
+    size = common.SIZES[args.size]()
+    if args.P:
+        size = dataclasses.replace(size, P=args.P)
+    print(common.machine())
+    print(profile(size, args.steps, args.calls, args.top))
+
+
+if __name__ == "__main__":
+    main()

@@ -5,8 +5,9 @@
 
 Runs the library's step (`common.build_runs`, the fast_backward model, one run, K steps per call
 as resconv_jax.train runs them) under `jax.profiler.trace`, reads the Perfetto trace it writes and
-prints, per XLA op (a fusion, a dot, a copy): microseconds per step, its share of the step, its
-output shape and the JAX operation it came from (the HLO's op_name). The untraced step time, taken
+prints, per XLA op (a fusion, a dot, a copy; not the loops, whose events span the ops they run):
+microseconds per step, its share of the step, its output shape and what it computes (a fusion's
+opcodes and operand shapes, and the HLO's op_name where XLA kept it). The untraced step time, taken
 first in the same process, is the baseline; the profiler adds a few microseconds per op, so the
 shares, not the absolute times, are what to read. Shapes and names come from the compiled HLO.
 """
@@ -21,7 +22,6 @@ import json
 import re
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -31,15 +31,18 @@ import jax  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+) ([\w\-]+)\(")
+# name = type opcode(...); a tuple type "(f32[2], f32[3])" (multi-output fusions) included
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\(.*?\)|\S+) ([\w\-]+)\(")
 _COMPUTATION = re.compile(r"^%?([\w.\-]+) \((.*)\) -> \S+ \{")
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _PLUMBING = {"parameter", "bitcast", "constant", "broadcast", "tuple", "get-tuple-element"}
+_CONTROL_FLOW = {"while", "conditional", "call"}  # their trace events span the ops they run
 
 
 def _fused_summaries(hlo_text: str) -> dict[str, str]:
-    """{computation name: 'its opcodes (but plumbing) of (its parameter shapes)'}."""
+    """{computation name: 'its opcodes (but plumbing, unless that is all) of (its parameter
+    shapes)'}."""
     summaries, name, params, opcodes = {}, None, "", []
     for line in hlo_text.splitlines():
         header = _COMPUTATION.match(line)
@@ -47,23 +50,25 @@ def _fused_summaries(hlo_text: str) -> dict[str, str]:
             name, opcodes = header.group(1), []
             params = re.sub(r"[\w.]+: ", "", header.group(2))
         elif name and line.startswith("}"):
-            summaries[name] = f"{'+'.join(dict.fromkeys(opcodes))} of ({params})"
+            work = [op for op in opcodes if op not in _PLUMBING] or opcodes  # a fill: broadcast
+            summaries[name] = f"{'+'.join(dict.fromkeys(work))} of ({params})"
             name = None
         elif name:
             match = _INSTRUCTION.match(line)
-            if match and match.group(3) not in _PLUMBING:
+            if match and match.group(3) != "parameter":
                 opcodes.append(match.group(3))
     return summaries
 
 
 def hlo_ops(hlo_text: str) -> dict[str, tuple[str, str]]:
-    """{instruction name: (output shape, what it computes)} of a compiled HLO module: a fusion's
-    opcodes and operand shapes, else its opcode, with the JAX op_name's last part when known."""
+    """{instruction name: (output type, what it computes)} of a compiled HLO module, control flow
+    left out: a fusion's opcodes and operand shapes, else its opcode, with the JAX op_name's last
+    part when known."""
     fused = _fused_summaries(hlo_text)
     ops = {}
     for line in hlo_text.splitlines():
         match = _INSTRUCTION.match(line)
-        if match:
+        if match and match.group(3) not in _CONTROL_FLOW:
             calls, op_name = _CALLS.search(line), _OP_NAME.search(line)
             what = fused.get(calls.group(1), match.group(3)) if calls else match.group(3)
             if op_name:
@@ -90,11 +95,7 @@ def profile(size: common.Size, steps_per_call: int, calls: int, top: int) -> str
     case = common.Case(runs.fns.run_steps, [runs], steps_per_call)
     for _ in range(2):
         jax.block_until_ready(case())
-    untraced = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        jax.block_until_ready(case())
-        untraced.append((time.perf_counter() - start) / steps_per_call)
+    untraced = [common.timed(case) / steps_per_call for _ in range(calls)]
     ops = hlo_ops(case.compiled.as_text())
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
@@ -111,8 +112,7 @@ def profile(size: common.Size, steps_per_call: int, calls: int, top: int) -> str
     lines = [
         f"{size.name} size, {size.describe()}, 1 run: untraced step "
         f"{common.fmt_time(min(untraced))} (fastest of {calls} calls of {steps_per_call} steps); "
-        "traced ops "
-        f"{common.fmt_time(traced * 1e-6)} per step over {len(totals)} ops",
+        f"traced ops {common.fmt_time(traced * 1e-6)} per step over {len(totals)} ops",
         "",
         common.table(["op", "us/step", "share", "output", "computes"], rows),
     ]

@@ -2,6 +2,7 @@
 
     python -m benchmarks.op_profile                      # the Jena-like size, one run
     python -m benchmarks.op_profile --size jena --P 2041 --top 20
+    python -m benchmarks.op_profile --scaling gpt2 --P 256    # a benchmarks/scaling.py case
 
 Runs the library's step (`common.build_runs`, the fast_backward model, one run, K steps per call
 as resconv_jax.train runs them) under `jax.profiler.trace`, reads the Perfetto trace it writes and
@@ -89,18 +90,15 @@ def op_times(trace_dir: str, names: set[str]) -> collections.Counter:
     return totals
 
 
-def profile(size: common.Size, steps_per_call: int, calls: int, top: int) -> str:
-    """The table of the `top` slowest ops of one run's step at `size`."""
-    runs = common.build_runs(size, (1.0,), steps_per_call)
-    case = common.Case(runs.fns.run_steps, [runs], steps_per_call)
-    for _ in range(2):
-        jax.block_until_ready(case())
-    untraced = [common.timed(case) / steps_per_call for _ in range(calls)]
-    ops = hlo_ops(case.compiled.as_text())
+def ranked_ops(call, hlo_text: str, steps_per_call: int, calls: int, top: int) -> str:
+    """The untraced step time of `call` (one compiled call of `steps_per_call` steps, warmed up)
+    and the table of the `top` slowest ops of its compiled HLO `hlo_text`, per step."""
+    untraced = [common.timed(call) / steps_per_call for _ in range(calls)]
+    ops = hlo_ops(hlo_text)
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             for _ in range(calls):
-                jax.block_until_ready(case())
+                jax.block_until_ready(call())
         totals = op_times(trace_dir, set(ops))
     steps = calls * steps_per_call
     traced = sum(totals.values()) / steps
@@ -110,13 +108,45 @@ def profile(size: common.Size, steps_per_call: int, calls: int, top: int) -> str
         share = f"{100 * micros / steps / traced:.1f}%"
         rows.append([name, f"{micros / steps:.1f}", share, shape.partition("{")[0], what])
     lines = [
-        f"{size.name} size, {size.describe()}, 1 run: untraced step "
-        f"{common.fmt_time(min(untraced))} (fastest of {calls} calls of {steps_per_call} steps); "
-        f"traced ops {common.fmt_time(traced * 1e-6)} per step over {len(totals)} ops",
+        f"untraced step {common.fmt_time(min(untraced))} (fastest of {calls} calls of "
+        f"{steps_per_call} step{'s' if steps_per_call > 1 else ''}); traced ops "
+        f"{common.fmt_time(traced * 1e-6)} per step over {len(totals)} ops",
         "",
         common.table(["op", "us/step", "share", "output", "computes"], rows),
     ]
     return "\n".join(lines)
+
+
+def profile(size: common.Size, steps_per_call: int, calls: int, top: int) -> str:
+    """The ranked ops of one run's step at `size`, `steps_per_call` steps per call."""
+    runs = common.build_runs(size, (1.0,), steps_per_call)
+    case = common.Case(runs.fns.run_steps, [runs], steps_per_call)
+    for _ in range(2):
+        jax.block_until_ready(case())
+    table = ranked_ops(case, case.compiled.as_text(), steps_per_call, calls, top)
+    return f"{size.name} size, {size.describe()}, 1 run: {table}"
+
+
+def profile_scaling_case(model: str, num_samples: int, microbatch: int, calls: int, top: int):
+    """The ranked ops of one of benchmarks/scaling.py's cases, one step per call as it times
+    them (`scaling.case_config`: the program `train.build_program` makes, without the probe)."""
+    import jax.numpy as jnp
+
+    from benchmarks import scaling
+    from resconv_jax import train
+
+    program = train.build_program(scaling.case_config(model, num_samples, microbatch))
+    chunk, state = program.runners.at(0), program.state
+
+    def call():
+        nonlocal state
+        state, buffers = chunk(state, program.hp, program.x, program.y, jnp.int32(1))
+        return buffers
+
+    for _ in range(2):
+        jax.block_until_ready(call())
+    table = ranked_ops(call, chunk.as_text(), 1, calls, top)
+    return f"scaling case {model}, P={num_samples}, microbatches of {microbatch}: {table}"
 
 
 def main(argv=None) -> None:
@@ -126,11 +156,21 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=50, help="steps per call")
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument(
+        "--scaling",
+        choices=("gpt2", "transformer"),
+        help="profile benchmarks/scaling.py's case of this model at --P (default 256) instead",
+    )
+    parser.add_argument("--microbatch", type=int, default=64, help="with --scaling")
     args = parser.parse_args(argv)
+    print(common.machine())
+    if args.scaling:
+        samples = args.P or 256
+        print(profile_scaling_case(args.scaling, samples, args.microbatch, args.calls, args.top))
+        return
     size = common.SIZES[args.size]()
     if args.P:
         size = dataclasses.replace(size, P=args.P)
-    print(common.machine())
     print(profile(size, args.steps, args.calls, args.top))
 
 

@@ -91,8 +91,19 @@ def test_the_hugging_face_comparison_checks_agreement_and_times_at_a_small_size(
             ["--P", "16", "--steps", "2", "--calls", "1", "--top", "500"],
             ["untraced step", "dot of (f32[16,24,24], f32[16,24,6])"],
         ),
+        (
+            op_profile.main,
+            ["--scaling", "transformer", "--P", "128", "--calls", "1", "--top", "500"],
+            ["scaling case transformer, P=128, microbatches of 64", "dot of"],
+        ),
     ],
-    ids=["attention_variants", "probe_overhead", "sweep_vs_sequential", "op_profile"],
+    ids=[
+        "attention_variants",
+        "probe_overhead",
+        "sweep_vs_sequential",
+        "op_profile",
+        "op_profile_scaling",
+    ],
 )
 def test_an_in_process_benchmark_runs_at_its_smallest(main, argv, expected, capsys):
     """Each benchmark that needs no torch, at one repeat: it runs, checks its agreement and prints

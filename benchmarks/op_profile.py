@@ -127,25 +127,29 @@ def profile(size: common.Size, steps_per_call: int, calls: int, top: int) -> str
     return f"{size.name} size, {size.describe()}, 1 run: {table}"
 
 
-def profile_scaling_case(model: str, num_samples: int, microbatch: int, calls: int, top: int):
-    """The ranked ops of one of benchmarks/scaling.py's cases, one step per call as it times
-    them (`scaling.case_config`: the program `train.build_program` makes, without the probe)."""
+def profile_scaling_case(
+    model: str, num_samples: int, microbatch: int, steps_per_call: int, calls: int, top: int
+):
+    """The ranked ops of one of benchmarks/scaling.py's cases, `steps_per_call` steps per call
+    (`scaling.case_config`: the program `train.build_program` makes, without the probe)."""
     import jax.numpy as jnp
 
     from benchmarks import scaling
     from resconv_jax import train
 
-    program = train.build_program(scaling.case_config(model, num_samples, microbatch))
+    config = scaling.case_config(model, num_samples, microbatch, steps_per_call)
+    program = train.build_program(config)
     chunk, state = program.runners.at(0), program.state
 
     def call():
         nonlocal state
-        state, buffers = chunk(state, program.hp, program.x, program.y, jnp.int32(1))
+        steps = jnp.int32(steps_per_call)
+        state, buffers = chunk(state, program.hp, program.x, program.y, steps)
         return buffers
 
     for _ in range(2):
         jax.block_until_ready(call())
-    table = ranked_ops(call, chunk.as_text(), 1, calls, top)
+    table = ranked_ops(call, chunk.as_text(), steps_per_call, calls, top)
     return f"scaling case {model}, P={num_samples}, microbatches of {microbatch}: {table}"
 
 
@@ -153,7 +157,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="jena", choices=sorted(common.SIZES))
     parser.add_argument("--P", type=int, default=0, help="samples (0: the size's own)")
-    parser.add_argument("--steps", type=int, default=50, help="steps per call")
+    parser.add_argument(
+        "--steps", type=int, help="steps per call (default 50; with --scaling, scaling's 10)"
+    )
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument(
@@ -166,12 +172,19 @@ def main(argv=None) -> None:
     print(common.machine())
     if args.scaling:
         samples = args.P or 256
-        print(profile_scaling_case(args.scaling, samples, args.microbatch, args.calls, args.top))
+        from benchmarks import scaling
+
+        steps = args.steps or scaling.STEPS_PER_CALL
+        print(
+            profile_scaling_case(
+                args.scaling, samples, args.microbatch, steps, args.calls, args.top
+            )
+        )
         return
     size = common.SIZES[args.size]()
     if args.P:
         size = dataclasses.replace(size, P=args.P)
-    print(profile(size, args.steps, args.calls, args.top))
+    print(profile(size, args.steps or 50, args.calls, args.top))
 
 
 if __name__ == "__main__":

@@ -7,19 +7,23 @@
 Models: "gpt2", a random GPT-2 (width 64, 4 heads, L = 4 blocks, T = 16 tokens) on the first P
 bundled GLUE SST-2 train sentences; "transformer", the paper's model (d = 32, M = 16, d_qk = 16,
 d_h = 64, L = 2) on P Gaussian samples. One run (β = 1) each, plain GD, the library's compiled
-chunk (`train.build_program`: the chunk of train.log_every = 1 step, probe off) on one device.
+chunk (`train.build_program`, probe off) on one device, called as `main` calls it: a chunk of
+`--steps-per-call` steps on device (default 10, the library's train.log_every) per call, so that
+what a call costs whatever its steps (XLA:CPU allocates and first touches the program's
+temporaries at every call: a few ms for this GPT-2, RESULTS.md §6) is shared as in a run.
 
 Each case runs in a fresh process, so that its peak RSS (`ru_maxrss`) is its own, `--rounds`
 times, round-robin over the cases (a change of the machine's load then reaches every case, not
 the last few). Reported per case: XLA's temporaries of the compiled step
-(`memory_analysis().temp_size_in_bytes`), the process's peak RSS, the step time (the median over
-at least `--repeats` steps and 2 s after one warm-up step, in the fastest round) and the time per
-sample. The microbatched cases (a fixed `--microbatch` n) are compared with the smallest P
-(memory: ratio largest/smallest, the target ≤ 1.25) and with each other (time/P: spread around
-the mean, the target ±15 %), and with the whole batch at once ("whole", where it fits) at the
-same P in the same run. The least-squares line step time = a + b·P separates the fixed cost of a
-step (a: ~9 ms for this GPT-2, ~6 ms of it with its 50,257 × 64 token embedding, 3.2 M of its 3.3 M
-parameters; RESULTS.md §6) from the cost per sample (b).
+(`memory_analysis().temp_size_in_bytes`), the process's peak RSS, the step time (a call's time
+over its steps: the median over at least `--repeats` calls and 2 s after a warm-up call, in the
+fastest round) and the time per sample. The microbatched cases (a fixed `--microbatch` n) are
+compared with the smallest P (memory: ratio largest/smallest, the target ≤ 1.25) and with each
+other (time/P: spread around the mean, the target ±15 %), and with the whole batch at once
+("whole", where it fits) at the same P in the same run. The least-squares line
+step time = a + b·P separates the fixed cost of a step (a) from the cost per sample (b);
+`--steps-per-call 1` shows what a call costs on top (~9 ms for this GPT-2 at one step per call,
+most of it the first touches of the 50,257 × 64 token embedding's gradient buffer; RESULTS.md §6).
 """
 
 from __future__ import annotations
@@ -37,18 +41,20 @@ import numpy as np
 from benchmarks.common import REPO, load_average, machine, table
 
 SIZES = (256, 1024, 4096, 16384)
-MIN_SECONDS, MAX_REPEATS = 2.0, 200  # short steps are repeated for at least 2 s
+MIN_SECONDS, MAX_REPEATS = 2.0, 200  # short calls are repeated for at least 2 s
+STEPS_PER_CALL = 10  # the library's train.log_every (config_defaults.base_config)
 
 
-def case_config(model: str, num_samples: int, microbatch: int):
-    """The config of one case: `model`, P samples, train.microbatch_size."""
+def case_config(model: str, num_samples: int, microbatch: int, steps_per_call: int = 1):
+    """The config of one case: `model`, P samples, train.microbatch_size, chunks of
+    `steps_per_call` steps (train.log_every)."""
     from resconv_jax.config_defaults import base_config, load_config_file
 
     overrides = {
-        "train.num_steps": 1000,
-        "train.log_every": 1,
-        "train.print_every": 1,
-        "train.checkpoint_every": 1000,
+        "train.num_steps": 1000 * steps_per_call,
+        "train.log_every": steps_per_call,
+        "train.print_every": steps_per_call,
+        "train.checkpoint_every": 1000 * steps_per_call,
         "train.microbatch_size": microbatch,
         "train.runs_per_chunk": 0,
         "probe.enabled": False,
@@ -87,39 +93,50 @@ def case_config(model: str, num_samples: int, microbatch: int):
     return config
 
 
-def run_case(model: str, num_samples: int, microbatch: int, repeats: int) -> dict:
-    """Builds and times one case in this process; the JSON-able record."""
+def run_case(
+    model: str, num_samples: int, microbatch: int, repeats: int, steps_per_call: int = 1
+) -> dict:
+    """Builds and times one case in this process; the JSON-able record. After a warm-up call of
+    one step, at least `repeats` calls of `steps_per_call` steps (and at least MIN_SECONDS)."""
     import jax
     import jax.numpy as jnp
 
     from resconv_jax import train
 
-    program = train.build_program(case_config(model, num_samples, microbatch))
+    program = train.build_program(case_config(model, num_samples, microbatch, steps_per_call))
     chunk = program.runners.at(0)
-    state = program.state
+
+    def call(state, num_steps: int):
+        state, buffers = chunk(state, program.hp, program.x, program.y, jnp.int32(num_steps))
+        jax.block_until_ready(buffers)
+        return state, buffers
+
+    state, _ = call(program.state, 1)
     times = []
     while len(times) < repeats or (sum(times) < MIN_SECONDS and len(times) < MAX_REPEATS):
         start = time.perf_counter()
-        state, buffers = chunk(state, program.hp, program.x, program.y, jnp.int32(1))
-        jax.block_until_ready(buffers)
+        state, buffers = call(state, steps_per_call)
         times.append(time.perf_counter() - start)
-    times = times[1:]  # the first call is the warm-up
     analysis = program.runners.largest.memory_analysis()
     return {
         "model": model,
         "P": num_samples,
         "microbatch": microbatch,
+        "steps_per_call": steps_per_call,
         "temp_bytes": analysis.temp_size_in_bytes,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "step_seconds": statistics.median(times),
-        "loss": float(buffers["loss"][0, 0]),
+        "step_seconds": statistics.median(times) / steps_per_call,
+        "loss": float(buffers["loss"][steps_per_call - 1, 0]),  # (steps, runs)
     }
 
 
-def in_subprocess(model: str, num_samples: int, microbatch: int, repeats: int) -> dict | None:
+def in_subprocess(
+    model: str, num_samples: int, microbatch: int, repeats: int, steps_per_call: int
+) -> dict | None:
     """`run_case` in a fresh Python; None (with its last line printed) when it fails."""
     args = [sys.executable, "-m", "benchmarks.scaling", "--case"]
     args += [f"{model},{num_samples},{microbatch}", "--repeats", str(repeats)]
+    args += ["--steps-per-call", str(steps_per_call)]
     done = subprocess.run(args, cwd=REPO, capture_output=True, text=True)
     lines = done.stdout.strip().splitlines()
     if done.returncode or not lines:
@@ -204,8 +221,10 @@ def report(records: list[dict], model: str, microbatch: int) -> list[str]:
             f"P = {parts[0]['P']} step)"
         )
     runs = [len(r["rounds"]) for r in parts]
+    steps = parts[0].get("steps_per_call", 1)
     verdicts.append(
-        f"step times: the fastest of {min(runs)} rounds (fresh processes, round-robin) per case"
+        f"step times: {steps} step{'s' if steps > 1 else ''} per call, the fastest of "
+        f"{min(runs)} rounds (fresh processes, round-robin) per case"
     )
     title = f"### {model}, microbatches of {microbatch}"
     return [title, "", table(headers, rows), "", *[f"- {v}" for v in verdicts], ""]
@@ -218,12 +237,18 @@ def main() -> None:
     parser.add_argument("--microbatch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2, help="fresh processes per case")
+    parser.add_argument(
+        "--steps-per-call", type=int, default=STEPS_PER_CALL, help="steps per chunk call"
+    )
     parser.add_argument("--no-whole", action="store_true", help="skip the whole-batch baseline")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # MODEL,P,MICROBATCH: one case
     args = parser.parse_args()
     if args.case:
         model, num_samples, microbatch = args.case.split(",")
-        print(json.dumps(run_case(model, int(num_samples), int(microbatch), args.repeats)))
+        record = run_case(
+            model, int(num_samples), int(microbatch), args.repeats, args.steps_per_call
+        )
+        print(json.dumps(record))
         return
     sizes = [int(p) for p in args.sizes.split(",")]
     print(f"machine: {machine()}; load average {load_average()}", flush=True)
@@ -236,7 +261,9 @@ def main() -> None:
     rounds: dict[tuple, list[dict]] = {case: [] for case in cases}
     for round_index in range(args.rounds):  # round-robin: a load change hits every case alike
         for model, num_samples, microbatch in cases:
-            record = in_subprocess(model, num_samples, microbatch, args.repeats)
+            record = in_subprocess(
+                model, num_samples, microbatch, args.repeats, args.steps_per_call
+            )
             if record is not None:
                 rounds[model, num_samples, microbatch].append(record)
                 print(

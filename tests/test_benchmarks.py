@@ -2,6 +2,7 @@
 GPU only when one is lent, so CPU is where it is kept working), one scaling benchmark case and
 the finished-rerun benchmark."""
 
+import numpy as np
 import pytest
 
 from benchmarks import (
@@ -33,9 +34,16 @@ def test_a_scaling_case_is_one_run(model):
 
 
 def test_a_scaling_case_reports_its_memory_and_time():
-    record = scaling.run_case("transformer", 64, 16, 1)
-    assert record["P"] == 64 and record["microbatch"] == 16
+    record = scaling.run_case("transformer", 64, 16, 1, steps_per_call=3)
+    assert record["P"] == 64 and record["microbatch"] == 16 and record["steps_per_call"] == 3
     assert record["temp_bytes"] > 0 and record["peak_rss_bytes"] > 0 and record["step_seconds"] > 0
+    assert np.isfinite(record["loss"])  # the last of the call's 3 steps, not a NaN placeholder
+
+
+def test_scaling_calls_chunks_of_the_library_default_log_every():
+    from resconv_jax.config_defaults import base_config
+
+    assert scaling.STEPS_PER_CALL == base_config().train.log_every
 
 
 def test_the_scaling_report_fits_a_fixed_and_a_per_sample_cost():

@@ -9,8 +9,9 @@ bundled GLUE SST-2 train sentences; "transformer", the paper's model (d = 32, M 
 d_h = 64, L = 2) on P Gaussian samples. One run (β = 1) each, plain GD, the library's compiled
 chunk (`train.build_program`, probe off) on one device, called as `main` calls it: a chunk of
 `--steps-per-call` steps on device (default 10, the library's train.log_every) per call, so that
-what a call costs whatever its steps (XLA:CPU allocates and first touches the program's
-temporaries at every call: a few ms for this GPT-2, RESULTS.md §6) is shared as in a run.
+the cost every call pays whatever its steps (XLA:CPU allocates and first touches the program's
+temporaries at every call: a few ms for this GPT-2, RESULTS.md §6) is spread over a chunk's
+steps as in a run. The default run takes ~16 min on a 2-core CPU.
 
 Each case runs in a fresh process, so that its peak RSS (`ru_maxrss`) is its own, `--rounds`
 times, round-robin over the cases (a change of the machine's load then reaches every case, not

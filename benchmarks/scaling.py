@@ -46,7 +46,9 @@ MIN_SECONDS, MAX_REPEATS = 2.0, 200  # short calls are repeated for at least 2 s
 STEPS_PER_CALL = 10  # the library's train.log_every (config_defaults.base_config)
 
 
-def case_config(model: str, num_samples: int, microbatch: int, steps_per_call: int = 1):
+def case_config(
+    model: str, num_samples: int, microbatch: int, steps_per_call: int = STEPS_PER_CALL
+):
     """The config of one case: `model`, P samples, train.microbatch_size, chunks of
     `steps_per_call` steps (train.log_every)."""
     from resconv_jax.config_defaults import base_config, load_config_file
@@ -95,7 +97,11 @@ def case_config(model: str, num_samples: int, microbatch: int, steps_per_call: i
 
 
 def run_case(
-    model: str, num_samples: int, microbatch: int, repeats: int, steps_per_call: int = 1
+    model: str,
+    num_samples: int,
+    microbatch: int,
+    repeats: int,
+    steps_per_call: int = STEPS_PER_CALL,
 ) -> dict:
     """Builds and times one case in this process; the JSON-able record. After a warm-up call of
     one step, at least `repeats` calls of `steps_per_call` steps (and at least MIN_SECONDS)."""

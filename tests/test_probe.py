@@ -173,8 +173,7 @@ def test_small_batches_loops_on_cpu_and_batches_elsewhere(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     batched = jax.jit(lambda a: linalg.small_batches(probe.singular_values, a))
     assert "while" not in batched.lower(x).as_text()
-    expected = looped(x)
-    np.testing.assert_allclose(batched(x), expected, rtol=1e-6, atol=1e-6 * np.abs(expected).max())
+    np.testing.assert_allclose(batched(x), looped(x), rtol=1e-6)
     assert batched(x).shape == (3, 5, 6)
 
 
@@ -187,8 +186,7 @@ def test_one_device_mesh_probe_needs_no_qr_for_a_wide_stacked_matrix():
     assert "geqrf" not in on_mesh.lower(attn, z).compile().as_text()
     without_mesh = jax.jit(lambda a, b: probe.probe_attention(a, b))(attn, z)
     for key, value in on_mesh(attn, z).items():
-        scale = 1e-6 * np.abs(without_mesh[key]).max()
-        np.testing.assert_allclose(value, without_mesh[key], rtol=1e-6, atol=scale, err_msg=key)
+        np.testing.assert_allclose(value, without_mesh[key], rtol=1e-6, err_msg=key)
     tall = jnp.asarray(rng.standard_normal((2, 1, 8, 8, 16)), jnp.float32)
     assert "geqrf" in on_mesh.lower(tall, tall).compile().as_text()
 

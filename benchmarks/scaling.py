@@ -250,6 +250,8 @@ def main() -> None:
     parser.add_argument("--no-whole", action="store_true", help="skip the whole-batch baseline")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # MODEL,P,MICROBATCH: one case
     args = parser.parse_args()
+    if args.steps_per_call < 1:
+        parser.error(f"--steps-per-call must be at least 1, not {args.steps_per_call}")
     if args.case:
         model, num_samples, microbatch = args.case.split(",")
         record = run_case(

@@ -4,9 +4,11 @@
 
 One GD step (value_and_grad of ½‖F − Y‖², plain update, 5 steps per call in a fori_loop, vmapped
 over --runs runs) of a one-layer model of the paper's shape at P=512, M=24, d=d_QK=6, d_h=32,
-d_y=1, with the attention written four ways:
+d_y=1, with the attention written five ways:
 
-  library     resconv_jax.models.fast_ops: Q Kᵀ and S V as canonical batched dots
+  library     resconv_jax.models.fast_ops: Q Kᵀ and S V as canonical batched dots, the narrow
+              ones (S V, ∂logits K: (M × M)(M × d)) computed transposed
+  as_written  the same, with every product as written (`a @ b`, the library before 2026-12-03)
   bcast       Q Kᵀ and S V as broadcast-multiply-and-reduce (no dots; d = 6 is tiny)
   prescale    the 1/sqrt(d_QK) scale folded into W_Q (one less pass over the M × M logits)
   keys_major  logits stored keys-major (P, M_k, M_q), softmax over the non-minor axis
@@ -19,6 +21,7 @@ loss after 5 steps to ~3e-4 (these large steps, the loss halving in 5, amplify r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -32,6 +35,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from resconv_jax.models import fast_ops  # noqa: E402
 from resconv_jax.models.fast_ops import matmul, matmul_nt, softmax, softmax_rows  # noqa: E402
 
 P, M, D, D_QK, D_H = 512, 24, 6, 6, 32
@@ -45,7 +49,7 @@ def attention(variant: str, x: jax.Array, w_q, w_k, w_v) -> jax.Array:
         w_q = w_q * scale
     qkv = matmul(x, jnp.concatenate([w_q, w_k, w_v], axis=1))
     q, k, v = qkv[..., :D_QK], qkv[..., D_QK : 2 * D_QK], qkv[..., 2 * D_QK :]
-    if variant == "library":
+    if variant in ("library", "as_written"):
         return matmul(softmax_rows(matmul_nt(q, k) * scale), v)
     if variant == "prescale":
         return matmul(softmax_rows(matmul_nt(q, k)), v)
@@ -56,6 +60,18 @@ def attention(variant: str, x: jax.Array, w_q, w_k, w_v) -> jax.Array:
         s_t = softmax(matmul_nt(k, q) * scale, axis=-2)  # (P, M_k, M_q), over the keys
         return matmul(jax.lax.optimization_barrier(jnp.swapaxes(s_t, -1, -2)), v)
     raise ValueError(variant)
+
+
+@contextlib.contextmanager
+def products_as_written(variant: str):
+    """While tracing `variant` "as_written": fast_ops computes every product as written."""
+    transposing = fast_ops._times
+    if variant == "as_written":
+        fast_ops._times = lambda a, b: a @ b
+    try:
+        yield
+    finally:
+        fast_ops._times = transposing
 
 
 def make_steps(variant: str, x: jax.Array, y: jax.Array):
@@ -98,10 +114,12 @@ def main(argv=None) -> None:
     }
     x = jax.random.normal(keys[6], (P, M, D))
     y = jax.random.normal(keys[7], (P, M, 1))
-    variants = ("library", "bcast", "prescale", "keys_major")
+    variants = ("library", "as_written", "bcast", "prescale", "keys_major")
     fns = {v: make_steps(v, x, y) for v in variants}
     for v, f in fns.items():
-        print(f"{v}: losses after {STEPS_PER_CALL} steps {np.asarray(f(params)[1])}")
+        with products_as_written(v):  # the first call traces
+            losses = np.asarray(f(params)[1])
+        print(f"{v}: losses after {STEPS_PER_CALL} steps {losses}")
     times = {v: [] for v in variants}
     for _ in range(args.repeats):
         for v, f in fns.items():

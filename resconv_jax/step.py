@@ -216,7 +216,10 @@ def make_step_functions(
     def step(state, hp, x, y):
         return over_runs(lambda s, h: step_one(s, h, x, y), runs_per_chunk)(state, hp)
 
-    evaluate = jax.vmap(loss, in_axes=(0, 0, None, None))
+    def plain_loss(params, hp, x, y):  # no gradient taken: the model as written (`fast_ops` aside)
+        return task_loss(model.apply(params, x, hp), y, reduction, loss_kind)
+
+    evaluate = jax.vmap(plain_loss, in_axes=(0, 0, None, None))
 
     def probed_step(state, hp, x, y):
         state, metrics, inter = step(state, hp, x, y)

@@ -87,7 +87,11 @@ def test_the_hugging_face_comparison_checks_agreement_and_times_at_a_small_size(
 @pytest.mark.parametrize(
     "main, argv, expected",
     [
-        (attention_variants.main, ["--repeats", "1", "--runs", "1"], ["library", "keys_major"]),
+        (
+            attention_variants.main,
+            ["--repeats", "1", "--runs", "1"],
+            ["library", "as_written", "keys_major"],
+        ),
         (probe_overhead.main, ["--sizes", "theory", "--repeats", "1"], ["| theory |"]),
         (
             sweep_vs_sequential.main,

@@ -2,6 +2,9 @@
 
 import dataclasses
 import math
+import os
+import subprocess
+import sys
 
 import jax
 import jax.flatten_util
@@ -197,3 +200,92 @@ def test_fast_backward_is_reverse_mode_only_and_softmax_matches():
     jvp_fast = jax.jvp(fast_ops.softmax_rows, (logits,), (tangent,))[1]
     jvp_plain = jax.jvp(lambda a: jax.nn.softmax(a, axis=-1), (logits,), (tangent,))[1]
     np.testing.assert_allclose(jvp_fast, jvp_plain, rtol=1e-5, atol=1e-6)
+
+
+NARROW_PRODUCTS = [
+    ((2, 16, 24, 24), (2, 16, 24, 6)),
+    ((16, 24, 24), (16, 24, 6)),
+    ((5, 7, 7), (5, 7, 4)),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("shape_a, shape_b", NARROW_PRODUCTS)
+def test_a_narrow_batched_product_is_computed_transposed_and_is_the_same_product(
+    dtype, shape_a, shape_b
+):
+    """(..., m, k)(..., k, n) with n < m goes through (bᵀ aᵀ)ᵀ: the same sums term by term,
+    bit for bit at the Jena sizes (k = M = 24), within rounding at k = 7."""
+    rng = np.random.default_rng(0)
+    with jax.enable_x64(dtype == "float64"):
+        a, b = (jnp.asarray(rng.standard_normal(s), dtype) for s in (shape_a, shape_b))
+        assert "optimization_barrier" in str(jax.make_jaxpr(fast_ops._times)(a, b))
+        wide = jnp.swapaxes(b, -1, -2)  # (..., n, k)(..., k, m): not transposed
+        assert "optimization_barrier" not in str(jax.make_jaxpr(fast_ops._times)(wide, a))
+        transposed, direct = jax.jit(fast_ops._times)(a, b), jax.jit(jnp.matmul)(a, b)
+        if shape_a[-1] == 24:
+            np.testing.assert_array_equal(transposed, direct)
+        else:
+            np.testing.assert_allclose(
+                transposed, direct, rtol=1e-6 if dtype == "float32" else 1e-13
+            )
+
+
+def test_the_transposed_products_change_no_bit_of_a_jena_size_gd_step(monkeypatch):
+    """Two runs' GD steps at M = 24, d = d_QK = 6 (configs/jena.py's widths), vmapped, with the
+    narrow products transposed (the library) and computed as written (`a @ b`)."""
+    cfg = transformer.ModelConfig(d=6, d_qk=6, d_h=32, d_y=1)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((16, 24, 6)), jnp.float32)
+    y = jnp.asarray(rng.standard_normal((16, 24, 1)), jnp.float32)
+    graphdef = transformer.init_params(cfg, 0)[0]
+    stacked = jax.tree.map(
+        lambda *leaves: jnp.stack(leaves), *(transformer.init_params(cfg, s)[1] for s in (0, 1))
+    )
+
+    def three_steps(params):
+        def loss(p):
+            out = transformer.apply(graphdef, p, x, 0.5, 0.5, fast_backward=True)
+            return 0.5 * jnp.sum((out - y) ** 2)
+
+        for _ in range(3):
+            params = jax.tree.map(lambda w, g: w - 1e-3 * g, params, jax.grad(loss)(params))
+        return params
+
+    library = jax.jit(jax.vmap(three_steps))(stacked)
+    monkeypatch.setattr(fast_ops, "_times", lambda a, b: a @ b)
+    as_written = jax.jit(jax.vmap(three_steps))(stacked)
+    for got, expected in zip(jax.tree.leaves(library), jax.tree.leaves(as_written), strict=True):
+        np.testing.assert_array_equal(got, expected)
+
+
+EVALUATION_AGAINST_THE_PLAIN_FORWARD = """
+import jax, jax.numpy as jnp, numpy as np
+from resconv_jax.config_defaults import base_config
+from resconv_jax.models import RunSettings, transformer
+from resconv_jax.step import make_optimizer, make_step_functions
+
+model = transformer.make_model(transformer.ModelConfig(d=6, d_qk=6, d_h=32, d_y=1))
+fns = make_step_functions(model, make_optimizer(base_config().optim), "sum", 1)
+rng = np.random.default_rng(1)
+x = jnp.asarray(rng.standard_normal((100, 24, 6)), jnp.float32)
+y = jnp.asarray(rng.standard_normal((100, 24, 1)), jnp.float32)
+params = model.init_runs(range(15))
+betas = jnp.tile(jnp.asarray([0.0, 0.25, 0.5, 0.75, 1.0]), 3)
+hp = RunSettings(betas, betas)
+plain = jax.jit(jax.vmap(lambda p, h: 0.5 * jnp.sum((model.apply(p, x, h) - y) ** 2)))(params, hp)
+print(int(np.sum(np.asarray(jax.jit(fns.evaluate)(params, hp, x, y)) != np.asarray(plain))))
+"""
+
+
+@pytest.mark.slow
+def test_evaluation_is_the_model_as_written_not_its_gradient_formulation():
+    """`evaluate` (the validation loss, a run's final loss) takes no gradient: it runs the plain
+    forward pass, so `fast_ops`' transposed products change none of its bits. At XLA's default
+    optimization (a subprocess: the tests compile at -O0), 15 runs at P = 100 (configs/jena.py's
+    widths) gave one differing loss through the transposed forward pass."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    result = subprocess.run([sys.executable, "-c", EVALUATION_AGAINST_THE_PLAIN_FORWARD],
+                            capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["0"]  # losses that differ from the plain forward's

@@ -9,6 +9,14 @@ kernels reject them, and they fall back to a per-matrix loop: at P=512, M=24, d=
 backward products multiply by an explicitly transposed copy, kept as a copy by an optimization
 barrier, so every backward dot is canonical, vmapped or not.
 
+Canonical batched products are also slow when their result is narrow: at M=24, d=6 the
+(M × M)·(M × d) products S·V and ∂logits·K took 3-4× the time of the (d × M)·(M × M) ones of the
+same FLOPs in `benchmarks.op_profile`'s trace. A narrow batched product (n < m) is computed
+transposed, (bᵀ aᵀ)ᵀ (`_times`): each output element is the same sum of the same terms, bit for
+bit the same result at the Jena widths (M = 24) and within rounding at others
+(tests/test_model.py); with it the Jena-size step is ~11 % faster (benchmarks/RESULTS.md, §8).
+At the theory sizes (d ≥ M) nothing is transposed.
+
 `matmul` and `matmul_nt` have a custom VJP: reverse mode only. Forward-mode differentiation
 (`jax.jvp`, `jax.jacfwd`) through them raises, so the model uses them only when asked
 (`fast_backward=True`, the training loss); the tangent kernel differentiates the plain model.
@@ -27,6 +35,18 @@ def _materialized_transpose(a: jax.Array) -> jax.Array:
     return jax.lax.optimization_barrier(jnp.swapaxes(a, -1, -2))
 
 
+def _times(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a b over the last two axes, a: (..., m, k), b: (..., k, n) -> (..., m, n), canonically.
+
+    A result narrower than it is tall (n < m) is computed as (bᵀ aᵀ)ᵀ, a wide product.
+    """
+    if b.shape[-1] < a.shape[-2]:
+        return _materialized_transpose(
+            jax.lax.optimization_barrier(_materialized_transpose(b) @ _materialized_transpose(a))
+        )
+    return a @ b
+
+
 def _transposed_times(a: jax.Array, g: jax.Array) -> jax.Array:
     """aᵀ g over the last two axes, a: (..., n, k), g: (..., n, m) -> (..., k, m), canonically.
 
@@ -41,20 +61,20 @@ def _transposed_times(a: jax.Array, g: jax.Array) -> jax.Array:
 @jax.custom_vjp
 def matmul(a: jax.Array, b: jax.Array) -> jax.Array:
     """`a @ b`: a (..., n, k) with b a weight (k, m) or batched like a (..., k, m)."""
-    return a @ b
+    return a @ b if b.ndim == 2 else _times(a, b)
 
 
 def _matmul_fwd(a, b):
-    return a @ b, (a, b)
+    return (a @ b if b.ndim == 2 else _times(a, b)), (a, b)
 
 
 def _matmul_bwd(residuals, g):
     a, b = residuals
     if b.ndim == 2:  # a weight: contract over every leading axis of a, as one matrix product
         db = _transposed_times(a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1]))
-    else:
-        db = _transposed_times(a, g)
-    return (g @ jnp.swapaxes(b, -1, -2)).astype(a.dtype), db.astype(b.dtype)
+        return (g @ b.T).astype(a.dtype), db.astype(b.dtype)
+    da = _times(g, _materialized_transpose(b))
+    return da.astype(a.dtype), _transposed_times(a, g).astype(b.dtype)
 
 
 matmul.defvjp(_matmul_fwd, _matmul_bwd)
@@ -72,7 +92,7 @@ def _matmul_nt_fwd(a, b):
 
 def _matmul_nt_bwd(residuals, g):
     a, b = residuals
-    return (g @ b).astype(a.dtype), _transposed_times(g, a).astype(b.dtype)
+    return _times(g, b).astype(a.dtype), _transposed_times(g, a).astype(b.dtype)
 
 
 matmul_nt.defvjp(_matmul_nt_fwd, _matmul_nt_bwd)

@@ -14,8 +14,8 @@ Canonical batched products are also slow when their result is narrow: at M=24, d
 same FLOPs in `benchmarks.op_profile`'s trace. A narrow batched product (n < m) is computed
 transposed, (bᵀ aᵀ)ᵀ (`_times`): each output element is the same sum of the same terms, bit for
 bit the same result at the Jena widths (M = 24) and within rounding at others
-(tests/test_model.py); with it the Jena-size step is ~11 % faster (benchmarks/RESULTS.md, §8).
-At the theory sizes (d ≥ M) nothing is transposed.
+(tests/test_model.py). `python -m benchmarks.op_profile --P 2041`: untraced step 10.28 ms,
+against 11.60 ms before (2026-12-03, 2 cores). At the theory sizes (d ≥ M) nothing is transposed.
 
 `matmul` and `matmul_nt` have a custom VJP: reverse mode only. Forward-mode differentiation
 (`jax.jvp`, `jax.jacfwd`) through them raises, so the model uses them only when asked

@@ -217,7 +217,7 @@ def make_step_functions(
         return over_runs(lambda s, h: step_one(s, h, x, y), runs_per_chunk)(state, hp)
 
     def plain_loss(params, hp, x, y):  # no gradient taken: the model as written (`fast_ops` aside)
-        return task_loss(model.apply(params, x, hp), y, reduction, loss_kind)
+        return task_loss(predict(params, hp, x), y, reduction, loss_kind)
 
     evaluate = jax.vmap(plain_loss, in_axes=(0, 0, None, None))
 

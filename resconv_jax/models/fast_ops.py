@@ -58,14 +58,19 @@ def _transposed_times(a: jax.Array, g: jax.Array) -> jax.Array:
     return _materialized_transpose(jax.lax.optimization_barrier(_materialized_transpose(g) @ a))
 
 
-@jax.custom_vjp
-def matmul(a: jax.Array, b: jax.Array) -> jax.Array:
-    """`a @ b`: a (..., n, k) with b a weight (k, m) or batched like a (..., k, m)."""
+def _weight_or_batched_times(a: jax.Array, b: jax.Array) -> jax.Array:
+    """`matmul`'s product: a weight b (k, m) as written, a batched b through `_times`."""
     return a @ b if b.ndim == 2 else _times(a, b)
 
 
+@jax.custom_vjp
+def matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+    """`a @ b`: a (..., n, k) with b a weight (k, m) or batched like a (..., k, m)."""
+    return _weight_or_batched_times(a, b)
+
+
 def _matmul_fwd(a, b):
-    return (a @ b if b.ndim == 2 else _times(a, b)), (a, b)
+    return _weight_or_batched_times(a, b), (a, b)
 
 
 def _matmul_bwd(residuals, g):

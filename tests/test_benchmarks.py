@@ -90,7 +90,7 @@ def test_the_hugging_face_comparison_checks_agreement_and_times_at_a_small_size(
         (
             attention_variants.main,
             ["--repeats", "1", "--runs", "1"],
-            ["library", "as_written", "keys_major"],
+            ["library", "transposed", "keys_major", "the same bits from the library"],
         ),
         (probe_overhead.main, ["--sizes", "theory", "--repeats", "1"], ["| theory |"]),
         (
@@ -101,7 +101,7 @@ def test_the_hugging_face_comparison_checks_agreement_and_times_at_a_small_size(
         (
             op_profile.main,
             ["--P", "16", "--steps", "2", "--calls", "1", "--top", "500"],
-            ["untraced step", "dot of (f32[16,6,24], f32[16,24,24])"],
+            ["untraced step", "dot of (f32[16,24,24], f32[16,24,6])"],
         ),
         (
             op_profile.main,

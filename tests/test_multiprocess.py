@@ -74,17 +74,22 @@ def metrics(workdir) -> list[dict]:
 
 
 def worst_relative(a: list[dict], b: list[dict]) -> dict[str, float]:
-    """{key: largest relative difference} over the float values of two metrics files."""
+    """{key: largest relative difference} over the float values of two metrics files.
+
+    A singular value is accurate to rounding times the largest one (Weyl), so a σ_min is compared
+    relative to its matrix's σ_max: a rank-collapsed sample's σ_min of 1e-7 (float32's floor
+    under a σ_max of 100) is all rounding, and its relative difference is noise.
+    """
     assert [(r["step"], r["run"]) for r in a] == [(r["step"], r["run"]) for r in b]
     worst: dict[str, float] = {}
 
-    def compare(key, value, other):
+    def compare(key, value, other, floor):
         if isinstance(value, list):  # step_losses: a chunk's per-step losses
             assert isinstance(other, list) and len(value) == len(other), key
             for v, o in zip(value, other, strict=True):
-                compare(key, v, o)
+                compare(key, v, o, floor)
         elif isinstance(value, float) and math.isfinite(value):
-            scale = max(abs(value), abs(other), 1e-300)
+            scale = max(abs(value), abs(other), floor)
             worst[key] = max(worst.get(key, 0.0), abs(value - other) / scale)
         else:
             assert value == other, key
@@ -92,7 +97,9 @@ def worst_relative(a: list[dict], b: list[dict]) -> dict[str, float]:
     for x, y in zip(a, b, strict=True):
         assert x.keys() == y.keys()
         for key, value in x.items():
-            compare(key, value, y[key])
+            prefix, _, name = key.rpartition("/")
+            floor = x.get(f"{prefix}/sigma_max", 0.0) if name.endswith("sigma_min") else 1e-300
+            compare(key, value, y[key], floor)
     return worst
 
 

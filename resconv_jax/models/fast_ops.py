@@ -9,13 +9,17 @@ kernels reject them, and they fall back to a per-matrix loop: at P=512, M=24, d=
 backward products multiply by an explicitly transposed copy, kept as a copy by an optimization
 barrier, so every backward dot is canonical, vmapped or not.
 
-Canonical batched products are also slow when their result is narrow: at M=24, d=6 the
-(M × M)·(M × d) products S·V and ∂logits·K took 3-4× the time of the (d × M)·(M × M) ones of the
-same FLOPs in `benchmarks.op_profile`'s trace. A narrow batched product (n < m) is computed
-transposed, (bᵀ aᵀ)ᵀ (`_times`): each output element is the same sum of the same terms, bit for
-bit the same result at the Jena widths (M = 24) and within rounding at others
-(tests/test_model.py). `python -m benchmarks.op_profile --P 2041`: untraced step 10.28 ms,
-against 11.60 ms before (2026-12-03, 2 cores). At the theory sizes (d ≥ M) nothing is transposed.
+Canonical batched products can also be slow when their result is narrow: at M=24, d=6 the
+(M × M)·(M × d) products S·V and ∂logits·K. With `products(transpose_narrow=True)`
+(`config.model.transformer.transpose_narrow_products`) a narrow batched product (n < m) is
+computed transposed, (bᵀ aᵀ)ᵀ (`_narrow_times`): each output element is the same sum
+of the same terms, but the kernels may add them in another order, so the result agrees within
+rounding, and bitwise only on some CPUs. Measured: on an AMD EPYC, the same bits and the
+Jena-size step 1.11× faster (2026-12-03, `benchmarks.op_profile --P 2041` before and after);
+on an AVX-512 Intel Xeon, other bits (parameters 7.9e-8 apart, relative, after 5 steps) and
+0.98× the step's speed at P = 512 (2026-12-04, `python -m benchmarks.attention_variants`).
+Off by default, so that a run's numbers are those of the products as written on every CPU;
+`benchmarks.attention_variants` times both on the machine at hand.
 
 `matmul` and `matmul_nt` have a custom VJP: reverse mode only. Forward-mode differentiation
 (`jax.jvp`, `jax.jacfwd`) through them raises, so the model uses them only when asked
@@ -25,6 +29,7 @@ against 11.60 ms before (2026-12-03, 2 cores). At the theory sizes (d ≥ M) not
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -33,18 +38,6 @@ import jax.numpy as jnp
 def _materialized_transpose(a: jax.Array) -> jax.Array:
     """`a` (..., m, n) -> (..., n, m), as a real copy the consuming dot cannot fold away."""
     return jax.lax.optimization_barrier(jnp.swapaxes(a, -1, -2))
-
-
-def _times(a: jax.Array, b: jax.Array) -> jax.Array:
-    """a b over the last two axes, a: (..., m, k), b: (..., k, n) -> (..., m, n), canonically.
-
-    A result narrower than it is tall (n < m) is computed as (bᵀ aᵀ)ᵀ, a wide product.
-    """
-    if b.shape[-1] < a.shape[-2]:
-        return _materialized_transpose(
-            jax.lax.optimization_barrier(_materialized_transpose(b) @ _materialized_transpose(a))
-        )
-    return a @ b
 
 
 def _transposed_times(a: jax.Array, g: jax.Array) -> jax.Array:
@@ -58,49 +51,64 @@ def _transposed_times(a: jax.Array, g: jax.Array) -> jax.Array:
     return _materialized_transpose(jax.lax.optimization_barrier(_materialized_transpose(g) @ a))
 
 
-def _weight_or_batched_times(a: jax.Array, b: jax.Array) -> jax.Array:
-    """`matmul`'s product: a weight b (k, m) as written, a batched b through `_times`."""
-    return a @ b if b.ndim == 2 else _times(a, b)
+def _narrow_times(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a b over the last two axes, a: (..., m, k), b: (..., k, n) -> (..., m, n); a result
+    narrower than it is tall (n < m) computed as (bᵀ aᵀ)ᵀ, a wide product."""
+    if b.shape[-1] < a.shape[-2]:
+        return _materialized_transpose(
+            jax.lax.optimization_barrier(_materialized_transpose(b) @ _materialized_transpose(a))
+        )
+    return a @ b
 
 
-@jax.custom_vjp
-def matmul(a: jax.Array, b: jax.Array) -> jax.Array:
-    """`a @ b`: a (..., n, k) with b a weight (k, m) or batched like a (..., k, m)."""
-    return _weight_or_batched_times(a, b)
+@functools.cache
+def products(transpose_narrow: bool = False) -> tuple[Callable, Callable]:
+    """(`matmul`, `matmul_nt`) with canonical backward dots; with `transpose_narrow`, their
+    narrow batched products computed transposed (`_narrow_times`, see above)."""
+    times = _narrow_times if transpose_narrow else jnp.matmul
+
+    def times_transposed(g, b):  # g bᵀ: (..., m, n)(..., k, n) -> (..., m, k)
+        if transpose_narrow:
+            return _narrow_times(g, _materialized_transpose(b))
+        return g @ jnp.swapaxes(b, -1, -2)  # as written: XLA folds the transpose into the dot
+
+    def weight_or_batched_times(a, b):
+        return a @ b if b.ndim == 2 else times(a, b)
+
+    @jax.custom_vjp
+    def matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+        """`a @ b`: a (..., n, k) with b a weight (k, m) or batched like a (..., k, m)."""
+        return weight_or_batched_times(a, b)
+
+    def matmul_fwd(a, b):
+        return weight_or_batched_times(a, b), (a, b)
+
+    def matmul_bwd(residuals, g):
+        a, b = residuals
+        if b.ndim == 2:  # a weight: contract over every leading axis of a, as one matrix product
+            db = _transposed_times(a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1]))
+            return (g @ b.T).astype(a.dtype), db.astype(b.dtype)
+        return times_transposed(g, b).astype(a.dtype), _transposed_times(a, g).astype(b.dtype)
+
+    matmul.defvjp(matmul_fwd, matmul_bwd)
+
+    @jax.custom_vjp
+    def matmul_nt(a: jax.Array, b: jax.Array) -> jax.Array:
+        """`a @ bᵀ` over the last two axes (Q Kᵀ): a (..., n, k), b (..., m, k) -> (..., n, m)."""
+        return a @ jnp.swapaxes(b, -1, -2)
+
+    def matmul_nt_fwd(a, b):
+        return a @ jnp.swapaxes(b, -1, -2), (a, b)
+
+    def matmul_nt_bwd(residuals, g):
+        a, b = residuals
+        return times(g, b).astype(a.dtype), _transposed_times(g, a).astype(b.dtype)
+
+    matmul_nt.defvjp(matmul_nt_fwd, matmul_nt_bwd)
+    return matmul, matmul_nt
 
 
-def _matmul_fwd(a, b):
-    return _weight_or_batched_times(a, b), (a, b)
-
-
-def _matmul_bwd(residuals, g):
-    a, b = residuals
-    if b.ndim == 2:  # a weight: contract over every leading axis of a, as one matrix product
-        db = _transposed_times(a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1]))
-        return (g @ b.T).astype(a.dtype), db.astype(b.dtype)
-    da = _times(g, _materialized_transpose(b))
-    return da.astype(a.dtype), _transposed_times(a, g).astype(b.dtype)
-
-
-matmul.defvjp(_matmul_fwd, _matmul_bwd)
-
-
-@jax.custom_vjp
-def matmul_nt(a: jax.Array, b: jax.Array) -> jax.Array:
-    """`a @ bᵀ` over the last two axes (Q Kᵀ): a (..., n, k), b (..., m, k) -> (..., n, m)."""
-    return a @ jnp.swapaxes(b, -1, -2)
-
-
-def _matmul_nt_fwd(a, b):
-    return a @ jnp.swapaxes(b, -1, -2), (a, b)
-
-
-def _matmul_nt_bwd(residuals, g):
-    a, b = residuals
-    return _times(g, b).astype(a.dtype), _transposed_times(g, a).astype(b.dtype)
-
-
-matmul_nt.defvjp(_matmul_nt_fwd, _matmul_nt_bwd)
+matmul, matmul_nt = products()
 
 
 def plain_matmul_nt(a: jax.Array, b: jax.Array) -> jax.Array:

@@ -31,7 +31,7 @@ import ml_collections
 from flax import nnx
 
 from resconv_jax.errors import ConfigError
-from resconv_jax.models.fast_ops import matmul, matmul_nt, plain_matmul_nt, softmax_rows
+from resconv_jax.models.fast_ops import plain_matmul_nt, products, softmax_rows
 from resconv_jax.models.interface import Model, RunSettings
 from resconv_jax.runtime import memory
 
@@ -55,6 +55,10 @@ def default_config() -> ml_collections.ConfigDict:
     # Gradients through custom-VJP products (`fast_ops`: canonical backward dots, the same
     # gradients, faster on XLA:CPU); False: plain autodiff, for comparisons.
     c.fast_backward = True
+    # With fast_backward: the narrow batched products (S·V, ∂logits·K when d < M) computed
+    # transposed, (bᵀaᵀ)ᵀ: faster on some CPUs, equal within rounding, bitwise only on some
+    # (`fast_ops`); False: every product as written.
+    c.transpose_narrow_products = False
     return c
 
 
@@ -78,6 +82,7 @@ class ModelConfig:
     head_scale: float = 1.0
     dtype: Literal["float32", "float64"] = "float32"  # of the weights (float64 needs x64)
     activation: Literal["relu", "gelu", "softplus", "identity"] = "relu"  # σ of the MLP
+    transpose_narrow_products: bool = False  # `fast_ops.products(transpose_narrow=...)`
 
 
 ACTIVATIONS = {
@@ -104,6 +109,7 @@ def model_config(model_cfg, *, d: int, d_y: int) -> ModelConfig:
         head_scale=own.head_scale,
         dtype=model_cfg.dtype,
         activation=own.activation,
+        transpose_narrow_products=own.transpose_narrow_products,
     )
 
 
@@ -115,6 +121,11 @@ def validate(model_cfg) -> None:
             raise ConfigError(
                 f"config.model.{NAME}.{field}={own[field]!r}: expected one of {', '.join(allowed)}"
             )
+    if not isinstance(own.transpose_narrow_products, bool):
+        raise ConfigError(
+            f"config.model.{NAME}.transpose_narrow_products={own.transpose_narrow_products!r}: "
+            "expected True or False"
+        )
     for field in ("d_qk", "d_h"):
         value = own[field]
         if not isinstance(value, int) or isinstance(value, bool):
@@ -144,10 +155,13 @@ class Block(nnx.Module):
         self.w_1 = gaussian(rngs.params(), (cfg.d, cfg.d_h), cfg.mlp_scale, cfg.d)
         self.w_2 = gaussian(rngs.params(), (cfg.d_h, cfg.d), cfg.mlp_scale, cfg.d_h)
         self.activation = cfg.activation
+        self.transpose_narrow_products = cfg.transpose_narrow_products
 
     def attention(self, x: jax.Array, *, fast_backward: bool = False) -> jax.Array:
         """Attn(X) for a batch: (P, M, d) -> (P, M, d). See `Transformer` for `fast_backward`."""
-        mm, mm_nt = (matmul, matmul_nt) if fast_backward else (jnp.matmul, plain_matmul_nt)
+        mm, mm_nt = (jnp.matmul, plain_matmul_nt)
+        if fast_backward:
+            mm, mm_nt = products(self.transpose_narrow_products)
         w_q, w_k, w_v = self.w_q[...], self.w_k[...], self.w_v[...]
         d_qk = w_q.shape[1]
         qkv = mm(x, jnp.concatenate([w_q, w_k, w_v], axis=1))  # one pass over x for Q, K, V
@@ -164,7 +178,7 @@ class Block(nnx.Module):
         fast_backward: bool = False,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(P, M, d) -> (H, Attn(X), Z), each (P, M, d)."""
-        mm = matmul if fast_backward else jnp.matmul
+        mm = products(self.transpose_narrow_products)[0] if fast_backward else jnp.matmul
         attn = self.attention(x, fast_backward=fast_backward)
         z = attn + beta_attn * x
         sigma = ACTIVATIONS[self.activation]

@@ -29,7 +29,8 @@ largest update); those steps are also the warm-up of both.
 Timing: per L, both steps round-robin (`benchmarks.common.interleave`), `--repeats` each;
 medians, IQR and the ratio torch / JAX of medians, and in the same round-robin one jitted
 (2048, 768) @ (768, 3072) float32 product (the MLP's, `MATMUL_SHAPE`): the machine's matmul
-FLOP/s, against which the JAX step's FLOP/s (XLA's count) is set. Targets (issue 20): torch / JAX
+FLOP/s, against which the JAX step's FLOP/s (XLA's count) is set, and the same product in torch
+(its BLAS, the ceiling of the Hugging Face step's projections). Targets (issue 20): torch / JAX
 >= 1.0 and the step at >= 85 % of the matmul's FLOP/s.
 See benchmarks/RESULTS.md.
 """
@@ -257,6 +258,28 @@ def matmul_case() -> tuple[Callable[[], object], float]:
     return lambda: jax.block_until_ready(product(a, b)), 2.0 * m * k * n
 
 
+def torch_matmul_case() -> Callable[[], object]:
+    """The same product in torch (its BLAS): the ceiling of the Hugging Face step's kernels."""
+    m, k, n = MATMUL_SHAPE
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(m, k, generator=generator)
+    b = torch.randn(k, n, generator=generator)
+    a @ b
+    return lambda: a @ b
+
+
+def repeated(product: Callable[[], object], seconds: float = 0.5) -> Callable[[], None]:
+    """`product` called enough times in a row to take about `seconds` (one timing sample)."""
+    times = max(1, round(seconds / max(common.timed(product), 1e-6)))
+
+    def products():
+        for _ in range(times):
+            product()
+
+    products.times = times
+    return products
+
+
 def bench_depth(layers: int, args, dataset: Dataset) -> tuple[list, str, str]:
     """The table row, the agreement line and the timing line of depth L."""
     config = gpt2_config(layers, args.beta, args.lr)
@@ -278,19 +301,20 @@ def bench_depth(layers: int, args, dataset: Dataset) -> tuple[list, str, str]:
     print(check, flush=True)
     torch_label = f"torch ({model.attn_implementation})"
     matmul, matmul_flops = matmul_case()
-    products = max(1, round(0.5 / max(common.timed(matmul), 1e-6)))  # ~0.5 s per matmul sample
-
-    def matmuls():
-        for _ in range(products):
-            matmul()
-
-    cases = {"jax": lambda: case(), torch_label: lambda: model.step(*batch, lr), "matmul": matmuls}
+    matmuls, torch_matmuls = repeated(matmul), repeated(torch_matmul_case())
+    cases = {
+        "jax": lambda: case(),
+        torch_label: lambda: model.step(*batch, lr),
+        "matmul": matmuls,
+        "torch matmul": torch_matmuls,
+    }
     load_before = common.load_average()
     times = common.interleave(cases, args.repeats, warmup=0)  # the check steps warmed both up
     t_jax, t_torch = common.median(times["jax"]), common.median(times[torch_label])
     speed = t_torch / t_jax
     flops = xla_flops(case)
-    ceiling = products * matmul_flops / common.median(times["matmul"])
+    ceiling = matmuls.times * matmul_flops / common.median(times["matmul"])
+    torch_ceiling = torch_matmuls.times * matmul_flops / common.median(times["torch matmul"])
     share = flops / t_jax / ceiling
     row = [
         layers,
@@ -305,6 +329,8 @@ def bench_depth(layers: int, args, dataset: Dataset) -> tuple[list, str, str]:
         f"{ceiling / 1e9:.0f}",
         f"{100 * share:.0f} %" if np.isfinite(share) else "?",
         "yes" if share >= MATMUL_SHARE else "no",
+        f"{flops / t_torch / 1e9:.0f}" if np.isfinite(flops) else "?",
+        f"{torch_ceiling / 1e9:.0f}",
     ]
     detail = (
         f"{label}: lr={lr:g}, JAX build + compile {compile_s:.1f} s, load average "
@@ -367,6 +393,8 @@ def main(argv=None) -> None:
         "matmul GFLOP/s",
         "of matmul",
         f">= {100 * MATMUL_SHARE:.0f} %",
+        "torch GFLOP/s",
+        "torch matmul GFLOP/s",
     ]
     text = (
         f"One GD step, {args.batch} sentences x {args.tokens} tokens ({padded} right-padded), "

@@ -267,6 +267,25 @@ def test_the_transposed_products_change_a_jena_size_gd_step_only_within_rounding
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6 * scale)
 
 
+def test_the_config_switch_transposes_the_gradient_products_of_the_built_model():
+    """config.model.transformer.transpose_narrow_products reaches the model's training loss:
+    its gradient has more transposed copies (optimization barriers) than the default's."""
+    x = jnp.zeros((4, 24, 6))
+
+    def barriers(switch: bool) -> int:
+        model_cfg = base_config().model
+        model_cfg.transformer.transpose_narrow_products = switch
+        model = transformer.make_model(transformer.model_config(model_cfg, d=6, d_y=1))
+        params = model.init(0)
+
+        def loss(p):
+            return jnp.sum(model.apply_for_grad(p, x, RunSettings(1.0, 1.0)))
+
+        return str(jax.make_jaxpr(jax.grad(loss))(params)).count("optimization_barrier")
+
+    assert barriers(True) > barriers(False) > 0
+
+
 EVALUATION_AGAINST_THE_PLAIN_FORWARD = """
 import jax, jax.numpy as jnp, numpy as np
 from resconv_jax.config_defaults import base_config

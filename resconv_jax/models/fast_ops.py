@@ -17,7 +17,7 @@ of the same terms, but the kernels may add them in another order, so the result 
 rounding, and bitwise only on some CPUs. Measured: on an AMD EPYC, the same bits and the
 Jena-size step 1.11× faster (2026-12-03, `benchmarks.op_profile --P 2041` before and after);
 on an AVX-512 Intel Xeon, other bits (parameters 7.9e-8 apart, relative, after 5 steps) and
-0.98× the step's speed at P = 512 (2026-12-04, `python -m benchmarks.attention_variants`).
+0.96–0.98× the step's speed at P = 512 (2026-12-04, `python -m benchmarks.attention_variants`).
 Off by default, so that a run's numbers are those of the products as written on every CPU;
 `benchmarks.attention_variants` times both on the machine at hand.
 

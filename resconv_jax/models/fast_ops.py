@@ -21,9 +21,9 @@ on an AVX-512 Intel Xeon, other bits (parameters 7.9e-8 apart, relative, after 5
 Off by default, so that a run's numbers are those of the products as written on every CPU;
 `benchmarks.attention_variants` times both on the machine at hand.
 
-`matmul` and `matmul_nt` have a custom VJP: reverse mode only. Forward-mode differentiation
-(`jax.jvp`, `jax.jacfwd`) through them raises, so the model uses them only when asked
-(`fast_backward=True`, the training loss); the tangent kernel differentiates the plain model.
+`products`' `matmul` and `matmul_nt` have a custom VJP: reverse mode only. Forward-mode
+differentiation (`jax.jvp`, `jax.jacfwd`) through them raises, so the model uses them only when
+asked (`fast_backward=True`, the training loss); the tangent kernel differentiates the plain model.
 """
 
 from __future__ import annotations
@@ -106,9 +106,6 @@ def products(transpose_narrow: bool = False) -> tuple[Callable, Callable]:
 
     matmul_nt.defvjp(matmul_nt_fwd, matmul_nt_bwd)
     return matmul, matmul_nt
-
-
-matmul, matmul_nt = products()
 
 
 def plain_matmul_nt(a: jax.Array, b: jax.Array) -> jax.Array:

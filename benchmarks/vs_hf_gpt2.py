@@ -268,16 +268,15 @@ def torch_matmul_case() -> Callable[[], object]:
     return lambda: a @ b
 
 
-def repeated(product: Callable[[], object], seconds: float = 0.5) -> Callable[[], None]:
-    """`product` called enough times in a row to take about `seconds` (one timing sample)."""
+def repeated(product: Callable[[], object], seconds: float = 0.5) -> tuple[Callable[[], None], int]:
+    """(`product` called n times in a row, n): n calls take about `seconds` (one timing sample)."""
     times = max(1, round(seconds / max(common.timed(product), 1e-6)))
 
     def products():
         for _ in range(times):
             product()
 
-    products.times = times
-    return products
+    return products, times
 
 
 def bench_depth(layers: int, args, dataset: Dataset) -> tuple[list, str, str]:
@@ -301,7 +300,8 @@ def bench_depth(layers: int, args, dataset: Dataset) -> tuple[list, str, str]:
     print(check, flush=True)
     torch_label = f"torch ({model.attn_implementation})"
     matmul, matmul_flops = matmul_case()
-    matmuls, torch_matmuls = repeated(matmul), repeated(torch_matmul_case())
+    matmuls, matmul_calls = repeated(matmul)
+    torch_matmuls, torch_calls = repeated(torch_matmul_case())
     cases = {
         "jax": lambda: case(),
         torch_label: lambda: model.step(*batch, lr),
@@ -313,8 +313,8 @@ def bench_depth(layers: int, args, dataset: Dataset) -> tuple[list, str, str]:
     t_jax, t_torch = common.median(times["jax"]), common.median(times[torch_label])
     speed = t_torch / t_jax
     flops = xla_flops(case)
-    ceiling = matmuls.times * matmul_flops / common.median(times["matmul"])
-    torch_ceiling = torch_matmuls.times * matmul_flops / common.median(times["torch matmul"])
+    ceiling = matmul_calls * matmul_flops / common.median(times["matmul"])
+    torch_ceiling = torch_calls * matmul_flops / common.median(times["torch matmul"])
     share = flops / t_jax / ceiling
     row = [
         layers,

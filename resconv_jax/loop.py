@@ -65,6 +65,7 @@ class Program:
     runners: ChunkRunners
     evaluate: object
     error: object  # jitted (params, hp, x, labels) -> (R,) fraction misclassified
+    scores: object  # jitted (params, hp, x, labels) -> ((R,) losses, (R,) errors), one forward
     classification: bool
     kernel: Kernel | None
     lambda_max_at_init: object  # () -> (R,) λ_max(K) at initialization, power iteration
@@ -179,19 +180,18 @@ def _projection(num: int, seconds: float, remaining: int) -> str:
 
 def _evaluate(program: Program, params) -> dict[str, np.ndarray]:
     """Per-run values at a log step besides the training loss: the validation loss and, for a
-    classification task, the training and validation errors (fraction misclassified)."""
-    values = {}
-    if program.x_val is not None:
-        values["val_loss"] = to_host(
-            program.evaluate(params, program.hp, program.x_val, program.y_val)
-        )
-    if program.classification:
-        values["error"] = to_host(program.error(params, program.hp, program.x, program.y))
-        if program.x_val is not None:
-            values["val_error"] = to_host(
-                program.error(params, program.hp, program.x_val, program.y_val)
-            )
-    return values
+    classification task, the training and validation errors (fraction misclassified; the
+    validation loss and error from one forward pass)."""
+    hp, x_val = program.hp, program.x_val
+    if not program.classification:
+        if x_val is None:
+            return {}
+        return {"val_loss": to_host(program.evaluate(params, hp, x_val, program.y_val))}
+    error = program.error(params, hp, program.x, program.y)
+    if x_val is None:
+        return {"error": to_host(error)}
+    val_loss, val_error = to_host(program.scores(params, hp, x_val, program.y_val))
+    return {"val_loss": val_loss, "error": to_host(error), "val_error": val_error}
 
 
 def _diverged(train: LoopSettings, program: Program, checkpointer, writer, step, losses) -> str:

@@ -120,6 +120,7 @@ class StepFunctions:
     step: Callable  # (state, hp, x, y) -> (state, metrics, {"attn", "z"}), all runs
     evaluate: Callable  # (params, hp, x, y) -> (R,) losses, all runs
     error: Callable  # (params, hp, x, labels) -> (R,) fraction misclassified, all runs
+    scores: Callable  # (params, hp, x, labels) -> ((R,) losses, (R,) errors), one forward pass
     run_steps: Callable  # (state, hp, x, y, num_steps) -> (state, buffers)
     gradient: Callable  # (params, hp, x, y) -> ((R,) losses, (R, ...) gradients), all runs
     predict: Callable  # (params, hp, x) -> F(X), one run, the whole batch at once
@@ -205,6 +206,11 @@ def make_step_functions(
     def error(params, hp, x, labels):
         return jnp.mean(jnp.argmax(predict(params, hp, x), axis=-1) != labels)
 
+    def scores(params, hp, x, labels):
+        pred = predict(params, hp, x)
+        wrong = jnp.mean(jnp.argmax(pred, axis=-1) != labels)
+        return task_loss(pred, labels, reduction, loss_kind), wrong
+
     def step_one(state, hp, x, y):
         grad_fn = jax.value_and_grad(loss_and_intermediates, has_aux=True)
         (value, inter), grads = grad_fn(state["params"], hp, x, y)
@@ -238,6 +244,7 @@ def make_step_functions(
         step=step,
         evaluate=evaluate,
         error=jax.vmap(error, in_axes=(0, 0, None, None)),
+        scores=jax.vmap(scores, in_axes=(0, 0, None, None)),
         run_steps=chunk_loop(step, probed_step, steps_per_call),
         gradient=jax.vmap(jax.value_and_grad(loss), in_axes=(0, 0, None, None)),
         predict=predict,

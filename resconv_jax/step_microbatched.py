@@ -7,9 +7,9 @@ microbatches (`microbatch.Microbatches`: n samples of every 'data' shard at a ti
 Without the probe each 'data' shard's gradient is summed over the microbatches on its own device and
 the shards' sums are added after the loop: one all-reduce per step, not one per microbatch (with the
 probe, a chunk's first step, the loop all-reduces each microbatch's). The probe of a chunk's first
-step is accumulated over the same microbatches (`probe_running`), evaluate and error sum over
-microbatches, and the tangent kernel sees J through products formed microbatch by microbatch
-(`jacobian.microbatched`).
+step is accumulated over the same microbatches (`probe_running`), evaluate, error and scores
+sum over microbatches, and the tangent kernel sees J through products formed microbatch by
+microbatch (`jacobian.microbatched`).
 
 Float32: the shares are summed without compensation, a blocked summation; on
 configs/jena.py:full its gradient is closer to float64's than the whole batch's single reduction
@@ -160,6 +160,26 @@ def make_step_functions(
 
         return batches.sum(part, zeros_like(jax.eval_shape(part, 0))) / batches.num_samples
 
+    def scores(params, hp, x, labels):
+        batches = batches_of(labels)
+
+        def part(k):
+            xk, labels_k = batches.take(x, k), batches.take(labels, k)
+            weights = batches.weights(k, floats(params))
+
+            def loss_and_wrong(p, h):
+                pred = predict(p, h, xk)
+                missed = jnp.argmax(pred, axis=-1) != labels_k
+                share = weighted_task_loss(
+                    pred, labels_k, weights, batches.num_samples, reduction, loss_kind
+                )
+                return share, jnp.sum(weights * missed)
+
+            return over_runs(loss_and_wrong, runs_per_chunk)(params, hp)
+
+        loss, wrong = batches.sum(part, zeros_like(jax.eval_shape(part, 0)))
+        return loss, wrong / batches.num_samples
+
     def loss(params, hp, x, y):
         one_run = jax.tree.map(lambda a: a[None], params), jax.tree.map(jnp.atleast_1d, hp)
         return evaluate(*one_run, x, y)[0]
@@ -172,6 +192,7 @@ def make_step_functions(
         step=step,
         evaluate=evaluate,
         error=error,
+        scores=scores,
         run_steps=chunk_loop(step, probed_step, steps_per_call),
         gradient=lambda params, hp, x, y: gradient(params, hp, x, y, False)[:2],
         predict=predict,

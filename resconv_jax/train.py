@@ -287,7 +287,7 @@ def _build(config, parts: _Parts, runs) -> Program:
         mesh,
     )
     compile_seconds = time.perf_counter() - t0
-    fns = make_fns(microbatch_size=microbatch_size)  # evaluate, error, linearize
+    fns = make_fns(microbatch_size=microbatch_size)  # evaluate, error, scores, linearize
     scale = loss_scale(config.optim.reduction, num_outputs)
     kernel = None
     if config.certificate.every or config.optim.lr_rule == "lambda_max":
@@ -319,6 +319,7 @@ def _build(config, parts: _Parts, runs) -> Program:
         runners=runners,
         evaluate=jax.jit(fns.evaluate),
         error=jax.jit(fns.error),
+        scores=jax.jit(fns.scores),
         classification=bool(is_classification(dataset.y_train)),
         kernel=kernel,
         lambda_max_at_init=lambda_max_at_init,

@@ -3,10 +3,12 @@ in DIR/<name>/ and writes DIR/REPORT.md, the claims table of docs/protocol.md wi
 claim, then each experiment's tables and figures, the machine, versions and wall times.
 
     python -m resconv_jax.reproduce --workdir=DIR [--scale=small|paper|tiny] [--readme=README.md]
-        [--only=NAME,...]
+        [--only=NAME,...] [--jobs=N]
 
 `--only` runs and reports just the named experiments (REPORT.md's names, e.g.
 `--only=conditioning --scale=paper` for claim 2's full sweep); `--readme` needs them all.
+`--jobs=N` runs N experiments at a time, each in a worker process with its output in
+DIR/logs/NAME.log (`reproduce_workers`): the same numbers, sooner on a CPU with cores to spare.
 
 `small` takes 6-12 minutes on 2 CPU cores (from scratch; README.md has the measured times); `paper`
 is the full protocol (a GPU or a pod); `tiny` is a smoke test whose numbers mean nothing. A finished
@@ -239,9 +241,11 @@ def format_report(
     times: dict,
     chosen: tuple[Experiment, ...] | None = None,
     total: float = 0.0,
+    jobs: int = 1,
 ) -> str:
     """REPORT.md: the claims table, then one section per experiment (those `chosen`, or all),
-    then this invocation's wall times (`total`: the whole command's seconds) and the machine."""
+    then this invocation's wall times (`total`: the whole command's seconds; `jobs`
+    experiments at a time) and the machine."""
     lines = [
         "# resconv_jax: the paper's claims, checked",
         "",
@@ -271,14 +275,17 @@ def format_report(
             root = folder.parent
             for png in sorted(folder.glob("*.png")):
                 lines += [f"![{o.experiment.name}: {png.stem}]({png.relative_to(root)})", ""]
-    lines += ["## Wall times", "", *wall_times(outcomes, total), ""]
+    lines += ["## Wall times", "", *wall_times(outcomes, total, jobs), ""]
     lines += ["## Machine", "", *machine(), ""]
     return "\n".join(lines)
 
 
-def wall_times(outcomes: list[Outcome], total: float) -> list[str]:
+def wall_times(outcomes: list[Outcome], total: float, jobs: int = 1) -> list[str]:
     """This invocation's seconds per experiment and in all, as a Markdown table."""
-    rows = ["| experiment | status | seconds |", "|---|---|---|"]
+    rows = []
+    if jobs > 1:
+        rows = [f"{jobs} experiments at a time (`--jobs={jobs}`): their times overlap.", ""]
+    rows += ["| experiment | status | seconds |", "|---|---|---|"]
     rows += [f"| {o.experiment.name} | {o.status} | {o.wall:.1f} |" for o in outcomes]
     return rows + [f"| all, from the first experiment to the claims table | | {total:.1f} |"]
 
@@ -320,10 +327,20 @@ def selected(only: tuple[str, ...] = ()) -> tuple[Experiment, ...]:
     return tuple(e for e in everything if not only or e.name in only)
 
 
-def reproduce(root: str, scale: str, readme: str | None = None, only: tuple[str, ...] = ()) -> int:
-    """Runs every experiment of `scale` (or those named in `only`) in `root` and writes
-    REPORT.md (and, given `readme`, its claims table into that file: `splice_readme`); the exit
-    status. Holds `root`'s lock throughout: WorkdirBusy when another process holds it."""
+def reproduce(
+    root: str,
+    scale: str,
+    readme: str | None = None,
+    only: tuple[str, ...] = (),
+    jobs: int = 1,
+    compilation_cache: str = "",
+) -> int:
+    """Runs every experiment of `scale` (or those named in `only`) in `root`, `jobs` at a time,
+    and writes REPORT.md (and, given `readme`, its claims table into that file: `splice_readme`);
+    the exit status. Holds `root`'s lock throughout: WorkdirBusy when another process holds it.
+    `compilation_cache`: the workers' setting (`compile_cache.enable`) when `jobs` > 1."""
+    if jobs < 1:
+        raise ValueError(f"--jobs={jobs}: give 1 or more experiments at a time")
     chosen = selected(only)
     if readme and only:
         raise ValueError("--readme writes the whole claims table: run it without --only")
@@ -335,21 +352,24 @@ def reproduce(root: str, scale: str, readme: str | None = None, only: tuple[str,
     lock = wd.WorkdirLock(root)
     lock.acquire()  # another reproduce on this folder: WorkdirBusy, naming it
     try:
-        return _reproduce_locked(root, scale, readme, chosen)
+        return _reproduce_locked(root, scale, readme, chosen, jobs, compilation_cache)
     finally:
         lock.release()
 
 
 def _reproduce_locked(
-    root: str, scale: str, readme: str | None, chosen: tuple[Experiment, ...]
+    root: str,
+    scale: str,
+    readme: str | None,
+    chosen: tuple[Experiment, ...],
+    jobs: int = 1,
+    compilation_cache: str = "",
 ) -> int:
     start = time.perf_counter()
     times_path = wd.path(root) / TIMES_FILE
     times = json.loads(times_path.read_text()) if times_path.exists() else {}
-    outcomes = []
-    for experiment in chosen:
-        outcome = run_experiment(experiment, scale, root, times)
-        outcomes.append(outcome)
+
+    def record(outcome: Outcome) -> None:
         if outcome.status in ("ran", "resumed"):
             times[outcome.experiment.name] = {
                 "seconds": outcome.seconds,
@@ -357,11 +377,31 @@ def _reproduce_locked(
                 "code": code_version(),
             }
             wd.write_json(times_path, times)
+
+    if jobs > 1 and len(chosen) > 1:
+        from resconv_jax import reproduce_workers
+
+        def finished(outcome: Outcome) -> None:
+            print(f"   {outcome.experiment.name}: {outcome.status}, {outcome.wall:.1f} s",
+                  flush=True)  # fmt: skip
+            if outcome.status in ("ran", "resumed"):
+                for text in outcome.tables:
+                    print(text, flush=True)
+            record(outcome)
+
+        outcomes = reproduce_workers.run_all(
+            chosen, scale, root, dict(times), jobs, compilation_cache, finished
+        )
+    else:
+        outcomes = []
+        for experiment in chosen:
+            outcomes.append(run_experiment(experiment, scale, root, times))
+            record(outcomes[-1])
     smoke_test = stats.counts(**stats.SMOKE_TEST_COUNTS) if scale == "tiny" else nullcontext()
     with smoke_test:  # tiny's numbers mean nothing: fewer random draws for its statistics
         table = claims_table(outcomes)
     total = time.perf_counter() - start
-    report = format_report(scale, outcomes, table, times, chosen, total)
+    report = format_report(scale, outcomes, table, times, chosen, total, jobs)
     with wd.atomic_open(wd.path(root) / REPORT_FILE) as f:
         f.write(report)
     print(claims.format_claims_table(table), flush=True)
@@ -387,6 +427,12 @@ def _define_flags() -> None:
         "Run and report only these experiments (names as in REPORT.md), e.g. "
         "--only=conditioning; every one when empty.",
     )
+    flags.DEFINE_integer(
+        "jobs",
+        1,
+        "Experiments run at a time, each in a worker process (output in WORKDIR/logs/).",
+        lower_bound=1,
+    )
     flags.DEFINE_string(
         "compilation_cache",
         "",
@@ -411,7 +457,14 @@ def main(argv: list[str]) -> None:
     workdir, scale, readme = flags.FLAGS.workdir, flags.FLAGS.scale, flags.FLAGS.readme
     try:
         check_workdir(workdir)
-        status = reproduce(workdir, scale, readme, tuple(flags.FLAGS.only))
+        status = reproduce(
+            workdir,
+            scale,
+            readme,
+            tuple(flags.FLAGS.only),
+            flags.FLAGS.jobs,
+            flags.FLAGS.compilation_cache,
+        )
         if status:  # an experiment's failed checkpoint save leaves Orbax threads that block exit
             sys.stdout.flush()
             sys.stderr.flush()

@@ -1,0 +1,214 @@
+"""`reproduce --jobs=N`: the experiments run N at a time, each in a worker process of its own.
+
+Each worker is a fresh Python process (multiprocessing's "spawn": nothing of the parent's JAX
+state is inherited) that runs one experiment after another, as `reproduce` runs them one at a
+time (`run_experiment`: ran, resumed, reused or its fallback), with its output in
+DIR/logs/NAME.log. The parent hands out the experiments, longest first when reproduce.json has
+their times, and prints each one's start, outcome and tables.
+
+The programs are the ones a single process compiles, so every number is the same bit for bit;
+what changes is the wall time: XLA compiles on one core and small programs do not fill the
+others, so two experiments at once finish sooner than one after the other on a 2-core CPU.
+On a GPU the workers share the device: GPU memory is allocated as needed, not preallocated.
+
+A SIGTERM to the parent is passed to the workers: each stops at its next safe point with its
+checkpoint saved, and `Preempted` is raised once all have stopped. A worker that dies (killed,
+out of memory) marks its experiment "not run", naming its log; the others go on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import signal
+import sys
+import time
+import traceback
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+
+from resconv_jax.errors import Preempted
+
+LOGS = "logs"
+POLL_SECONDS = 0.5
+
+
+def log_path(root: str, name: str) -> Path:
+    """Where experiment `name`'s output goes under --jobs."""
+    return Path(root) / LOGS / f"{name}.log"
+
+
+def _redirect_output(path: Path) -> None:
+    """Points this process's stdout and stderr (the file descriptors: XLA's and absl's output
+    too) at the end of the file `path`."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _work(conn: Connection, scale: str, root: str, times: dict, cache: str) -> None:
+    """A worker's life: runs each experiment it receives until it receives None."""
+    from absl import logging
+
+    from resconv_jax import reproduce
+    from resconv_jax.runtime import compile_cache, signals
+
+    signals.install()
+    logging.set_verbosity(logging.WARNING)
+    compile_cache.enable(cache)
+    while (experiment := conn.recv()) is not None:
+        _redirect_output(log_path(root, experiment.name))
+        print(f"# {time.strftime('%Y-%m-%d %H:%M:%S')}: reproduce --jobs worker, pid "
+              f"{os.getpid()}", flush=True)  # fmt: skip
+        try:
+            conn.send(("done", reproduce.run_experiment(experiment, scale, root, times)))
+        except Preempted as stop:
+            print(stop, flush=True)
+            conn.send(("preempted", str(stop)))
+            return
+        except BaseException as error:  # noqa: BLE001 - the parent reports it and stops
+            traceback.print_exc()
+            conn.send(("failed", f"{type(error).__name__}: {error}"))
+            return
+
+
+@dataclasses.dataclass
+class _Worker:
+    process: multiprocessing.Process
+    conn: Connection
+    experiment: object = None  # the Experiment it runs, None when idle
+    started: float = 0.0
+
+
+class _Pool:
+    """The workers, started on demand, at most `jobs` alive."""
+
+    def __init__(self, jobs: int, args: tuple):
+        self.jobs, self.args = jobs, args
+        self.context = multiprocessing.get_context("spawn")
+        self.workers: list[_Worker] = []
+
+    def start(self) -> _Worker:
+        parent, child = self.context.Pipe()
+        process = self.context.Process(target=_work, args=(child, *self.args), daemon=True)
+        process.start()
+        child.close()
+        worker = _Worker(process, parent)
+        self.workers.append(worker)
+        return worker
+
+    def idle(self) -> list[_Worker]:
+        return [w for w in self.workers if w.experiment is None and w.process.is_alive()]
+
+    def busy(self) -> list[_Worker]:
+        return [w for w in self.workers if w.experiment is not None]
+
+    def signal_busy(self) -> None:
+        for worker in self.busy():
+            if worker.process.is_alive():
+                os.kill(worker.process.pid, signal.SIGTERM)
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Stops idle workers; waits for the rest (SIGTERM first, then SIGKILL)."""
+        for worker in self.workers:
+            if worker.process.is_alive() and worker.experiment is None:
+                try:
+                    worker.conn.send(None)
+                except OSError:
+                    pass
+        deadline = time.monotonic() + timeout
+        for worker in self.workers:
+            worker.process.join(max(0.0, deadline - time.monotonic()))
+            if worker.process.is_alive():
+                worker.process.terminate()
+                worker.process.join(10)
+            if worker.process.is_alive():
+                worker.process.kill()
+                worker.process.join()
+
+
+def run_all(
+    chosen: tuple,
+    scale: str,
+    root: str,
+    times: dict,
+    jobs: int,
+    cache: str,
+    on_outcome,
+) -> list:
+    """Runs `chosen` (Experiments) `jobs` at a time; `on_outcome(outcome)` as each finishes;
+    the Outcomes in `chosen`'s order. Raises Preempted after a SIGTERM (every busy worker
+    stopped at a safe point), RuntimeError when a worker's experiment raised something else."""
+    from resconv_jax import reproduce
+    from resconv_jax.runtime import signals
+
+    (Path(root) / LOGS).mkdir(parents=True, exist_ok=True)
+    recorded = {n: t.get("seconds") or 0.0 for n, t in times.items() if t.get("scale") == scale}
+    queue = sorted(chosen, key=lambda e: -recorded.get(e.name, float("inf")))
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the workers share a GPU
+    pool = _Pool(jobs, (scale, root, times, cache))
+    outcomes, stopped, failure = {}, [], None
+    try:
+        while queue or pool.busy():
+            if signals.requested() and not stopped:
+                signals.acknowledge()
+                stopped.append("SIGTERM")
+                queue.clear()
+                pool.signal_busy()
+            while queue and not failure:
+                worker = (pool.idle() or [None])[0]
+                if worker is None and len(pool.busy()) < jobs:
+                    worker = pool.start()
+                if worker is None:
+                    break
+                worker.experiment, worker.started = queue.pop(0), time.perf_counter()
+                worker.conn.send(worker.experiment)
+                name = worker.experiment.name
+                print(f"== {name}: {worker.experiment.title} (worker pid {worker.process.pid},"
+                      f" output in {log_path(root, name)})", flush=True)  # fmt: skip
+            busy = pool.busy()
+            ready = wait([w.conn for w in busy] + [w.process.sentinel for w in busy], POLL_SECONDS)
+            for worker in busy:
+                if worker.conn not in ready and worker.process.sentinel not in ready:
+                    continue
+                experiment = worker.experiment
+                try:
+                    kind, value = worker.conn.recv()
+                except (EOFError, OSError):
+                    worker.process.join(10)
+                    kind, value = "died", worker.process.exitcode
+                worker.experiment = None
+                if kind == "done":
+                    outcomes[experiment.name] = value
+                    on_outcome(value)
+                elif kind == "preempted":
+                    print(f"   {experiment.name}: {value}", flush=True)
+                    stopped.append(value)
+                elif kind == "failed":
+                    failure = failure or f"{experiment.name}: {value} (see its log)"
+                    queue.clear()
+                else:  # the process ended without a word: killed, or out of memory
+                    reason = (f"its worker process exited with status {value} (see "
+                              f"{log_path(root, experiment.name)})")  # fmt: skip
+                    outcome = reproduce.Outcome(experiment, os.path.join(root, experiment.name),
+                                                "not run", None, [], reason)  # fmt: skip
+                    outcome.wall = time.perf_counter() - worker.started
+                    outcomes[experiment.name] = outcome
+                    print(f"   {experiment.name}: not run: {reason}", flush=True)
+                    on_outcome(outcome)
+    finally:
+        if failure or not (stopped or len(outcomes) == len(chosen)):
+            pool.signal_busy()
+        pool.close()
+    if failure:
+        raise RuntimeError(failure)
+    if stopped:
+        raise Preempted(
+            "preempted: every experiment that was running stopped at a safe point with its "
+            f"checkpoint saved ({len(outcomes)} of {len(chosen)} finished)"
+        )
+    return [outcomes[e.name] for e in chosen]

@@ -1,0 +1,121 @@
+"""`reproduce --jobs`: experiments in worker processes, the same files as one at a time; a
+SIGTERM stops every worker at a safe point; a worker that dies costs only its experiment."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from resconv_jax import reproduce, reproduce_workers
+from resconv_jax.errors import Preempted
+from resconv_jax.experiments.record import Experiment, scale_variants
+from resconv_jax.runtime import signals
+
+TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.py"
+# Steps that take ~50 s here, far longer than these tests wait for: a missed signal fails the test
+# (its experiment finishes) instead of hanging it.
+LONG = 20_000
+
+
+def experiment(folder: Path, name: str, **overrides) -> Experiment:
+    """An experiment record `name` of configs/tiny.py with `overrides`, two runs, no probe."""
+    overrides = {"sweep.beta": (0.0, 1.0), "probe.enabled": False,
+                 "train.async_checkpoints": False} | overrides  # fmt: skip
+    config = folder / f"{name}.py"
+    config.write_text(
+        "from resconv_jax.config_defaults import load_config_file\n\n\n"
+        f"def get_config(arg=None):\n    return load_config_file({str(TINY)!r}, **{overrides!r})\n"
+    )
+    return Experiment(name, name, str(config), scale_variants("", "", ""))
+
+
+def outputs(folder: Path) -> dict[str, bytes]:
+    """Every metrics and summary file under `folder`, by relative path."""
+    files = [*folder.rglob("metrics.jsonl"), *folder.rglob("summary.json"), *folder.rglob("*.csv")]
+    return {str(path.relative_to(folder)): path.read_bytes() for path in files}
+
+
+def when_training(root: Path, names: list[str], then, timeout: float = 120.0) -> threading.Thread:
+    """Calls then({name: worker pid}) once every experiment of `names` printed a training
+    line to its log (in a thread, so the caller can block in run_all)."""
+
+    def watch():
+        deadline, pids = time.monotonic() + timeout, {}
+        while time.monotonic() < deadline and len(pids) < len(names):
+            for name in names:
+                log = reproduce_workers.log_path(str(root), name)
+                text = log.read_text() if log.exists() else ""
+                if "steps/s" in text:
+                    pids[name] = int(re.search(r"pid (\d+)", text).group(1))
+            time.sleep(0.2)
+        then(pids)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def run_all(chosen, root: Path, jobs: int = 2):
+    return reproduce_workers.run_all(tuple(chosen), "paper", str(root), {}, jobs, "", lambda o: 0)
+
+
+@pytest.mark.slow
+def test_two_workers_write_the_same_files_as_one_process(tmp_path):
+    chosen = [experiment(tmp_path, name, **{"train.num_steps": 20}) for name in ("a", "b")]
+    alone, together = tmp_path / "alone", tmp_path / "together"
+    for e in chosen:
+        assert reproduce.run_experiment(e, "paper", str(alone), {}).status == "ran"
+    outcomes = run_all(chosen, together)
+    assert [(o.experiment.name, o.status) for o in outcomes] == [("a", "ran"), ("b", "ran")]
+    expected = outputs(alone)
+    assert len(expected) >= 4 and outputs(together) == expected
+    log = reproduce_workers.log_path(str(together), "a").read_text()
+    assert "a: ran" in log and "step 20/20" in log
+    # A finished experiment is reused by a worker as by one process.
+    assert [o.status for o in run_all(chosen, together)] == ["reused", "reused"]
+
+
+@pytest.mark.slow
+def test_a_sigterm_stops_every_worker_at_a_safe_point(tmp_path):
+    long = {"train.num_steps": LONG}
+    chosen = [experiment(tmp_path, name, **long) for name in ("a", "b", "c")]
+    previous = signals.install()
+    try:
+        when_training(tmp_path, ["a", "b"], lambda pids: os.kill(os.getpid(), signal.SIGTERM))
+        with pytest.raises(Preempted, match=r"stopped at a safe point .*\(0 of 3 finished\)"):
+            run_all(chosen, tmp_path)
+    finally:
+        signals.acknowledge()
+        signals.restore(previous)
+    for name in ("a", "b"):
+        log = reproduce_workers.log_path(str(tmp_path), name).read_text()
+        assert re.search(r"preempted at step \d+: checkpoint saved", log), log[-2000:]
+        assert any((tmp_path / name / "checkpoints").iterdir())
+    assert not (tmp_path / "c").exists()  # not started after the SIGTERM
+
+
+@pytest.mark.slow
+def test_a_worker_that_dies_costs_only_its_experiment(tmp_path):
+    doomed = experiment(tmp_path, "doomed", **{"train.num_steps": LONG})
+    fine = experiment(tmp_path, "fine", **{"train.num_steps": 400})
+
+    def kill(pids):
+        if "doomed" in pids:
+            os.kill(pids["doomed"], signal.SIGKILL)
+
+    when_training(tmp_path, ["doomed"], kill)
+    outcomes = run_all([doomed, fine], tmp_path)
+    assert [o.status for o in outcomes] == ["not run", "ran"]
+    assert outcomes[0].reason.startswith("its worker process exited with status -9 (see ")
+
+
+def test_jobs_below_one_is_refused_before_anything_is_written(tmp_path):
+    with pytest.raises(ValueError, match=r"--jobs=0: give 1 or more"):
+        reproduce.reproduce(str(tmp_path / "w"), "tiny", jobs=0)
+    assert not (tmp_path / "w").exists()

@@ -11,6 +11,7 @@ from benchmarks import (
     gpu,
     op_profile,
     probe_overhead,
+    reproduce_jobs,
     scaling,
     sweep_vs_sequential,
 )
@@ -133,3 +134,17 @@ def test_the_finished_rerun_benchmark_times_its_three_commands(tmp_path, capsys)
     for case in ("| rerun ", "| rerun, redraw ", "| import jax "):
         assert case in out, out
     assert (tmp_path / "w" / finished_rerun.CACHE_FILE).exists()
+
+
+def test_the_reproduce_jobs_benchmark_refuses_other_bytes():
+    same = {"a/metrics.jsonl": b"1", "b.csv": b"2"}
+    assert reproduce_jobs.differing(same, dict(same)) == []
+    assert reproduce_jobs.differing(same, same | {"b.csv": b"3"}) == ["b.csv"]
+    assert reproduce_jobs.differing(same, {"b.csv": b"2"}) == ["a/metrics.jsonl"]
+
+
+@pytest.mark.slow
+def test_the_reproduce_jobs_benchmark_compares_the_same_bytes(capsys):
+    reproduce_jobs.main(["--scale=tiny", "--only=rank_collapse,theory_softplus"])
+    out = capsys.readouterr().out
+    assert "files, the same bytes" in out and "| --jobs=2 " in out, out[-2000:]

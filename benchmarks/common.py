@@ -304,6 +304,19 @@ def git_commit() -> str:
         return "?"
 
 
+def run_in_repo(cmd: list[str]) -> tuple[float, subprocess.CompletedProcess]:
+    """(wall seconds, the finished process) of `cmd` run from the repository root with it on
+    PYTHONPATH; SystemExit naming the command and its stderr when it fails."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr}")
+    return wall, proc
+
+
 def load_average() -> str:
     try:
         return " ".join(f"{v:.2f}" for v in os.getloadavg())

@@ -13,16 +13,12 @@ takes ~15 min per repeat on a 2-core CPU (~9 min one at a time, ~7 with 2 jobs).
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from benchmarks import common
-from benchmarks.common import REPO
 
 
 def outputs(folder: Path) -> dict[str, bytes]:
@@ -38,13 +34,7 @@ def run_reproduce(workdir: Path, scale: str, only: str, jobs: int) -> float:
            f"--compilation_cache={workdir.parent / (workdir.name + '_cache')}"]  # fmt: skip
     if only:
         cmd.append(f"--only={only}")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        raise SystemExit(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr}")
+    wall, _ = common.run_in_repo(cmd)
     return wall
 
 

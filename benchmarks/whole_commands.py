@@ -14,10 +14,8 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 
 from benchmarks import common
 from benchmarks.common import REPO, SWEEP_BETAS
@@ -40,13 +38,7 @@ def command(betas, workdir: str, steps: int | None, extra=()) -> list[str]:
 
 def run_command(cmd: list[str]) -> tuple[float, float]:
     """(wall seconds, the compile seconds the command printed) of one command."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise SystemExit(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr}")
+    wall, proc = common.run_in_repo(cmd)
     m = re.search(r"compiled in ([0-9.]+)s", proc.stdout)
     return wall, float(m.group(1)) if m else float("nan")
 

@@ -145,21 +145,6 @@ def make_step_functions(
     def predict(params, hp, x):
         return model.apply(params, x, hp)
 
-    def error(params, hp, x, labels):
-        batches = batches_of(labels)
-
-        def part(k):
-            xk, labels_k = batches.take(x, k), batches.take(labels, k)
-            weights = batches.weights(k, floats(params))
-
-            def wrong(p, h):
-                missed = jnp.argmax(predict(p, h, xk), axis=-1) != labels_k
-                return jnp.sum(weights * missed)
-
-            return over_runs(wrong, runs_per_chunk)(params, hp)
-
-        return batches.sum(part, zeros_like(jax.eval_shape(part, 0))) / batches.num_samples
-
     def scores(params, hp, x, labels):
         batches = batches_of(labels)
 
@@ -179,6 +164,9 @@ def make_step_functions(
 
         loss, wrong = batches.sum(part, zeros_like(jax.eval_shape(part, 0)))
         return loss, wrong / batches.num_samples
+
+    def error(params, hp, x, labels):
+        return scores(params, hp, x, labels)[1]  # XLA drops the unused loss
 
     def loss(params, hp, x, y):
         one_run = jax.tree.map(lambda a: a[None], params), jax.tree.map(jnp.atleast_1d, hp)

@@ -143,8 +143,24 @@ def test_the_reproduce_jobs_benchmark_refuses_other_bytes():
     assert reproduce_jobs.differing(same, {"b.csv": b"2"}) == ["a/metrics.jsonl"]
 
 
-@pytest.mark.slow
-def test_the_reproduce_jobs_benchmark_compares_the_same_bytes(capsys):
-    reproduce_jobs.main(["--scale=tiny", "--only=rank_collapse,theory_softplus"])
+def test_the_reproduce_jobs_benchmark_times_only_the_same_bytes(monkeypatch, capsys):
+    """The benchmark's bookkeeping, with `reproduce` replaced by a writer of one metrics file
+    (`tests/test_reproduce_jobs.py` runs the real workers): a ratio of the two cases' times, and
+    no time at all when --jobs wrote other bytes."""
+    walls = {1: 6.0, 2: 4.0}
+    content = {1: b"same", 2: b"same"}
+
+    def fake_reproduce(workdir, scale, only, jobs):
+        (workdir / "a").mkdir(parents=True)
+        (workdir / "a" / "metrics.jsonl").write_bytes(content[jobs])
+        return walls[jobs]
+
+    monkeypatch.setattr(reproduce_jobs, "run_reproduce", fake_reproduce)
+    reproduce_jobs.main(["--scale=tiny", "--repeats=2"])
     out = capsys.readouterr().out
-    assert "files, the same bytes" in out and "| --jobs=2 " in out, out[-2000:]
+    assert "1 files, the same bytes" in out and "| --jobs=2                 | 4.0 s" in out, out
+    assert "1.50x" in out
+    content[2] = b"other"
+    with pytest.raises(SystemExit, match=r"other bytes than one at a time: \['a/metrics.jsonl'\]"):
+        reproduce_jobs.main(["--scale=tiny"])
+    assert "speedup" not in capsys.readouterr().out

@@ -12,10 +12,14 @@ from hlo_collectives import collectives_in_loops, largest_collective_elements
 
 from resconv_jax import experiments, sharding, train
 from resconv_jax.config_defaults import load_config_file
+from resconv_jax.data import load_dataset
 from resconv_jax.errors import ConfigError
 from resconv_jax.microbatch import Microbatches
+from resconv_jax.models import build_model
 from resconv_jax.runtime import memory
 from resconv_jax.runtime.metrics import read_metrics
+from resconv_jax.step import make_optimizer, make_step_functions
+from resconv_jax.sweep import expand_runs, run_settings
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
 
@@ -82,36 +86,44 @@ def test_scores_are_the_validation_loss_and_error_of_one_forward_pass():
     """`scores` (what a log step reads the validation loss and error from) gives, from one
     forward pass, the same bits as `evaluate` and `error`, each a forward pass of its own; in
     microbatches of 4, the same errors and losses to rounding."""
+    config = config_of(
+        "sst2.py",
+        **{
+            "model.gpt2.weights": "random",
+            "sweep.num_layers": (),
+            "model.num_layers": 1,
+            "sweep.beta": (0.0, 1.0),
+            "data.num_train": 8,
+            "data.num_val": 5,  # microbatch 2 of 4 re-takes 3 samples, at weight 0
+            "data.max_tokens": 8,
+        },
+    )
+    with config.unlocked():
+        config.model.gpt2.shape.update(n_embd=16, n_head=2, n_layer=1, n_positions=8)
+    dataset = load_dataset(config)
+    model = build_model(config.model, dataset)
+    runs = expand_runs(config)
+    args = (model.init_runs([r.seed for r in runs]), run_settings(runs), dataset.x_val,
+            dataset.y_val)  # fmt: skip
 
-    def program(microbatch_size: int):
-        config = config_of(
-            "sst2.py",
-            **{
-                "model.gpt2.weights": "random",
-                "sweep.num_layers": (),
-                "model.num_layers": 2,
-                "sweep.beta": (0.0, 1.0),
-                "data.num_train": 8,
-                "data.num_val": 5,  # microbatch 2 of 4 re-takes 3 samples, at weight 0
-                "data.max_tokens": 8,
-                "train.microbatch_size": microbatch_size,
-                "probe.enabled": False,
-            },
-        )
-        with config.unlocked():
-            config.model.gpt2.shape.update(n_embd=16, n_head=2, n_layer=2, n_positions=8)
-        return train.build_program(config)
+    def functions(microbatch_size: int):
+        optim = config.optim
+        fns = make_step_functions(
+            model, make_optimizer(optim), optim.reduction, 1, loss_kind=optim.loss,
+            microbatch_size=microbatch_size,
+        )  # fmt: skip
+        return [jax.jit(f) for f in (fns.scores, fns.evaluate, fns.error)]
 
-    whole, parts = program(0), program(4)
-    args = (whole.state["params"], whole.hp, whole.x_val, whole.y_val)
-    loss, error = whole.scores(*args)
-    assert loss.shape == error.shape == (2,) and 0 < float(error.max()) < 1
-    np.testing.assert_array_equal(loss, whole.evaluate(*args))
-    np.testing.assert_array_equal(error, whole.error(*args))
-    parts_loss, parts_error = parts.scores(*args)
+    scores, evaluate, error = functions(0)
+    loss, wrong = scores(*args)
+    assert loss.shape == wrong.shape == (2,) and 0 < float(wrong.max()) < 1
+    np.testing.assert_array_equal(loss, evaluate(*args))
+    np.testing.assert_array_equal(wrong, error(*args))
+    scores, _, error = functions(4)
+    parts_loss, parts_wrong = scores(*args)
     np.testing.assert_allclose(parts_loss, loss, rtol=1e-6)
-    np.testing.assert_array_equal(parts_error, error)
-    np.testing.assert_array_equal(parts.error(*args), error)
+    np.testing.assert_array_equal(parts_wrong, wrong)
+    np.testing.assert_array_equal(error(*args), wrong)
 
 
 @pytest.mark.slow

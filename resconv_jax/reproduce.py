@@ -341,6 +341,11 @@ def reproduce(
     `compilation_cache`: the workers' setting (`compile_cache.enable`) when `jobs` > 1."""
     if jobs < 1:
         raise ValueError(f"--jobs={jobs}: give 1 or more experiments at a time")
+    if jobs > 1 and not wd.is_local(root):
+        raise ValueError(
+            f"--jobs={jobs}: the workers write their output to a local WORKDIR/logs/; "
+            f"run --workdir={root} with --jobs=1, or use a local --workdir"
+        )
     chosen = selected(only)
     if readme and only:
         raise ValueError("--readme writes the whole claims table: run it without --only")

@@ -23,6 +23,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from multiprocessing.connection import Connection, wait
@@ -50,30 +51,52 @@ def _redirect_output(path: Path) -> None:
     os.close(fd)
 
 
+def _stop_when_orphaned(parent: int) -> None:
+    """SIGTERM to this process once its parent `parent` is gone (killed without a chance to pass
+    a SIGTERM on): the experiment stops at its next safe point with its checkpoint saved."""
+    while os.getppid() == parent:
+        time.sleep(POLL_SECONDS)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _work(conn: Connection, scale: str, root: str, times: dict, cache: str) -> None:
-    """A worker's life: runs each experiment it receives until it receives None."""
+    """A worker's life: runs each experiment it receives until it receives None (or its parent
+    is gone)."""
     from absl import logging
 
     from resconv_jax import reproduce
     from resconv_jax.runtime import compile_cache, signals
 
     signals.install()
+    threading.Thread(target=_stop_when_orphaned, args=(os.getppid(),), daemon=True).start()
     logging.set_verbosity(logging.WARNING)
     compile_cache.enable(cache)
-    while (experiment := conn.recv()) is not None:
+    while (experiment := _receive(conn)) is not None:
         _redirect_output(log_path(root, experiment.name))
         print(f"# {time.strftime('%Y-%m-%d %H:%M:%S')}: reproduce --jobs worker, pid "
               f"{os.getpid()}", flush=True)  # fmt: skip
         try:
-            conn.send(("done", reproduce.run_experiment(experiment, scale, root, times)))
+            message = ("done", reproduce.run_experiment(experiment, scale, root, times))
         except Preempted as stop:
             print(stop, flush=True)
-            conn.send(("preempted", str(stop)))
-            return
+            message = ("preempted", str(stop))
         except BaseException as error:  # noqa: BLE001 - the parent reports it and stops
             traceback.print_exc()
-            conn.send(("failed", f"{type(error).__name__}: {error}"))
+            message = ("failed", f"{type(error).__name__}: {error}")
+        try:
+            conn.send(message)
+        except OSError:  # the parent is gone
             return
+        if message[0] != "done":
+            return
+
+
+def _receive(conn: Connection):
+    """The next experiment, or None: no more, or the parent is gone."""
+    try:
+        return conn.recv()
+    except (EOFError, OSError):
+        return None
 
 
 @dataclasses.dataclass

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -115,7 +117,48 @@ def test_a_worker_that_dies_costs_only_its_experiment(tmp_path):
     assert outcomes[0].reason.startswith("its worker process exited with status -9 (see ")
 
 
-def test_jobs_below_one_is_refused_before_anything_is_written(tmp_path):
+def test_jobs_below_one_or_on_object_storage_is_refused_before_anything_is_written(tmp_path):
     with pytest.raises(ValueError, match=r"--jobs=0: give 1 or more"):
         reproduce.reproduce(str(tmp_path / "w"), "tiny", jobs=0)
     assert not (tmp_path / "w").exists()
+    with pytest.raises(ValueError, match=r"--jobs=2: the workers write .* local WORKDIR/logs/"):
+        reproduce.reproduce("gs://bucket/w", "tiny", jobs=2)
+    assert not Path("gs:").exists()
+
+
+ORPHAN_PARENT = """
+import sys
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+from test_reproduce_jobs import experiment, run_all
+root = Path({root!r})
+run_all([experiment(root, name, **{{"train.num_steps": {steps}}}) for name in ("a", "b")], root)
+"""
+
+
+@pytest.mark.slow
+def test_workers_whose_parent_is_killed_stop_at_a_safe_point(tmp_path):
+    """A SIGKILL to `reproduce` (no chance to pass anything on) leaves no worker training:
+    each sees its parent gone, saves its checkpoint and exits."""
+    script = ORPHAN_PARENT.format(tests=str(Path(__file__).parent), root=str(tmp_path), steps=LONG)
+    parent = subprocess.Popen([sys.executable, "-c", script])
+    pids = {}
+    when_training(tmp_path, ["a", "b"], pids.update).join()
+    parent.kill()
+    parent.wait(30)
+    assert set(pids) == {"a", "b"}
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(alive(pid) for pid in pids.values()):
+        time.sleep(0.2)
+    assert not any(alive(pid) for pid in pids.values()), "orphaned workers still running"
+    for name in ("a", "b"):
+        log = reproduce_workers.log_path(str(tmp_path), name).read_text()
+        assert re.search(r"preempted at step \d+: checkpoint saved", log), log[-2000:]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return not Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"

@@ -102,6 +102,10 @@ class Outcome:
     label: str = ""  # prefixed to the notes of its claims
     wall: float = 0.0  # seconds this invocation spent on it (reused: the checks and the report)
 
+    def status_line(self) -> str:
+        """'   NAME: STATUS, SECONDS s', as printed when it is done."""
+        return f"   {self.experiment.name}: {self.status}, {self.wall:.1f} s"
+
 
 def _unfinished_reason(config, workdir: str) -> str | None:
     """None when `workdir` holds this config's result, finished and intact (its task's
@@ -163,7 +167,7 @@ def run_experiment(experiment: Experiment, scale: str, root: str, times: dict) -
         substitute.label = f"{fallback.label} ({outcome.reason})"
         outcome = substitute
     outcome.wall = time.perf_counter() - start
-    print(f"   {outcome.experiment.name}: {outcome.status}, {outcome.wall:.1f} s", flush=True)
+    print(outcome.status_line(), flush=True)
     return outcome
 
 
@@ -387,8 +391,7 @@ def _reproduce_locked(
         from resconv_jax import reproduce_workers
 
         def finished(outcome: Outcome) -> None:
-            print(f"   {outcome.experiment.name}: {outcome.status}, {outcome.wall:.1f} s",
-                  flush=True)  # fmt: skip
+            print(outcome.status_line(), flush=True)
             if outcome.status in ("ran", "resumed"):
                 for text in outcome.tables:
                     print(text, flush=True)

@@ -108,10 +108,10 @@ class _Worker:
 
 
 class _Pool:
-    """The workers, started on demand, at most `jobs` alive."""
+    """The workers, started on demand; `args`: what `_work` takes after its pipe."""
 
-    def __init__(self, jobs: int, args: tuple):
-        self.jobs, self.args = jobs, args
+    def __init__(self, args: tuple):
+        self.args = args
         self.context = multiprocessing.get_context("spawn")
         self.workers: list[_Worker] = []
 
@@ -173,13 +173,13 @@ def run_all(
     recorded = {n: t.get("seconds") or 0.0 for n, t in times.items() if t.get("scale") == scale}
     queue = sorted(chosen, key=lambda e: -recorded.get(e.name, float("inf")))
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the workers share a GPU
-    pool = _Pool(jobs, (scale, root, times, cache))
-    outcomes, stopped, failure = {}, [], None
+    pool = _Pool((scale, root, times, cache))
+    outcomes, preempted, failure = {}, False, None
     try:
         while queue or pool.busy():
-            if signals.requested() and not stopped:
+            if signals.requested():
                 signals.acknowledge()
-                stopped.append("SIGTERM")
+                preempted = True
                 queue.clear()
                 pool.signal_busy()
             while queue and not failure:
@@ -210,7 +210,8 @@ def run_all(
                     on_outcome(value)
                 elif kind == "preempted":
                     print(f"   {experiment.name}: {value}", flush=True)
-                    stopped.append(value)
+                    preempted = True
+                    queue.clear()  # nothing new starts after a preemption
                 elif kind == "failed":
                     failure = failure or f"{experiment.name}: {value} (see its log)"
                     queue.clear()
@@ -224,12 +225,12 @@ def run_all(
                     print(f"   {experiment.name}: not run: {reason}", flush=True)
                     on_outcome(outcome)
     finally:
-        if failure or not (stopped or len(outcomes) == len(chosen)):
+        if failure or not (preempted or len(outcomes) == len(chosen)):
             pool.signal_busy()
         pool.close()
     if failure:
         raise RuntimeError(failure)
-    if stopped:
+    if preempted:
         raise Preempted(
             "preempted: every experiment that was running stopped at a safe point with its "
             f"checkpoint saved ({len(outcomes)} of {len(chosen)} finished)"

@@ -203,13 +203,13 @@ def make_step_functions(
     def predict(params, hp, x):
         return model.apply(params, x, hp)
 
-    def error(params, hp, x, labels):
-        return jnp.mean(jnp.argmax(predict(params, hp, x), axis=-1) != labels)
-
     def scores(params, hp, x, labels):
         pred = predict(params, hp, x)
         wrong = jnp.mean(jnp.argmax(pred, axis=-1) != labels)
         return task_loss(pred, labels, reduction, loss_kind), wrong
+
+    def error(params, hp, x, labels):
+        return scores(params, hp, x, labels)[1]  # XLA drops the unused loss
 
     def step_one(state, hp, x, y):
         grad_fn = jax.value_and_grad(loss_and_intermediates, has_aux=True)

@@ -288,7 +288,7 @@ def wall_times(outcomes: list[Outcome], total: float, jobs: int = 1) -> list[str
     """This invocation's seconds per experiment and in all, as a Markdown table."""
     rows = []
     if jobs > 1:
-        rows = [f"{jobs} experiments at a time (`--jobs={jobs}`): their times overlap.", ""]
+        rows = [f"{jobs} experiments at a time (`--jobs`): their times overlap.", ""]
     rows += ["| experiment | status | seconds |", "|---|---|---|"]
     rows += [f"| {o.experiment.name} | {o.status} | {o.wall:.1f} |" for o in outcomes]
     return rows + [f"| all, from the first experiment to the claims table | | {total:.1f} |"]
@@ -387,7 +387,8 @@ def _reproduce_locked(
             }
             wd.write_json(times_path, times)
 
-    if jobs > 1 and len(chosen) > 1:
+    jobs = min(jobs, len(chosen))  # one experiment runs in this process
+    if jobs > 1:
         from resconv_jax import reproduce_workers
 
         def finished(outcome: Outcome) -> None:

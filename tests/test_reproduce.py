@@ -360,8 +360,10 @@ def test_only_names_known_experiments_and_keeps_the_readme_whole(tmp_path):
 def test_only_runs_and_reports_just_the_named_experiment(tmp_path):
     from resconv_jax import reproduce
 
-    assert reproduce.reproduce(str(tmp_path), "tiny", only=("rank_collapse",)) == 0
+    # --jobs=2 with one experiment: it runs in this process, and the report says nothing of jobs
+    assert reproduce.reproduce(str(tmp_path), "tiny", only=("rank_collapse",), jobs=2) == 0
     report = (tmp_path / "REPORT.md").read_text()
+    assert "at a time" not in report
     assert "| 3. residual" in report and "| 3″. residual" in report
     assert "| 1. linear" not in report and "`theory`" not in report
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["rank_collapse"]

@@ -13,12 +13,14 @@ takes ~15 min per repeat on a 2-core CPU (~9 min one at a time, ~7 with 2 jobs).
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
 from benchmarks import common
+from resconv_jax.reproduce import TIMES_FILE
 
 
 def outputs(folder: Path) -> dict[str, bytes]:
@@ -38,6 +40,13 @@ def run_reproduce(workdir: Path, scale: str, only: str, jobs: int) -> float:
     return wall
 
 
+def experiment_seconds(workdir: Path) -> str:
+    """`name seconds, ...` of each experiment that ran, from the workdir's reproduce.json."""
+    times = json.loads((workdir / TIMES_FILE).read_text())
+    ranked = sorted(times.items(), key=lambda item: -item[1]["seconds"])
+    return ", ".join(f"{name} {entry['seconds']:.0f}" for name, entry in ranked)
+
+
 def differing(a: dict[str, bytes], b: dict[str, bytes]) -> list[str]:
     """The files that are not the same bytes in `a` and `b` (or in only one of them)."""
     return sorted(name for name in a.keys() | b.keys() if a.get(name) != b.get(name))
@@ -53,6 +62,8 @@ def bench(scale: str, only: str, jobs: int, repeats: int) -> str:
             for n in (1, jobs) if r % 2 == 0 else (jobs, 1):
                 folders[n] = root / f"jobs{n}_{r}"
                 walls[n].append(run_reproduce(folders[n], scale, only, n))
+                print(f"  --jobs={n}: {walls[n][-1]:.1f} s; experiments (s): "
+                      f"{experiment_seconds(folders[n])}", flush=True)  # fmt: skip
             alone, together = outputs(folders[1]), outputs(folders[jobs])
             if not alone or (changed := differing(alone, together)):
                 raise SystemExit(f"--jobs={jobs} wrote other bytes than one at a time: "

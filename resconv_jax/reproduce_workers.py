@@ -3,8 +3,8 @@
 Each worker is a fresh Python process (multiprocessing's "spawn": nothing of the parent's JAX
 state is inherited) that runs one experiment after another, as `reproduce` runs them one at a
 time (`run_experiment`: ran, resumed, reused or its fallback), with its output in
-DIR/logs/NAME.log. The parent hands out the experiments, longest first when reproduce.json has
-their times, and prints each one's start, outcome and tables.
+DIR/logs/NAME.log. The parent hands out the experiments longest first (`longest_first`) and
+prints each one's start, outcome and tables.
 
 The programs are the ones a single process compiles, so every number is the same bit for bit;
 what changes is the wall time: XLA compiles on one core and small programs do not fill the
@@ -154,6 +154,23 @@ class _Pool:
                 worker.process.join()
 
 
+def longest_first(chosen: tuple, scale: str, times: dict) -> list:
+    """`chosen` (Experiments) by expected seconds, longest first: the time reproduce.json
+    (`times`) recorded at this scale, else the `typical_seconds` hint, of the experiment or else
+    of its fallback; one with neither goes first, as it may be the longest. Ties keep `chosen`'s
+    order."""
+    recorded = {n: t.get("seconds") or 0.0 for n, t in times.items() if t.get("scale") == scale}
+
+    def expected(experiment) -> float:
+        family = [e for e in (experiment, experiment.fallback) if e is not None]
+        known = [recorded.get(e.name) for e in family] + [
+            e.typical_seconds.get(scale) for e in family
+        ]
+        return next((seconds for seconds in known if seconds is not None), float("inf"))
+
+    return sorted(chosen, key=lambda experiment: -expected(experiment))
+
+
 def run_all(
     chosen: tuple,
     scale: str,
@@ -170,8 +187,7 @@ def run_all(
     from resconv_jax.runtime import signals
 
     (Path(root) / LOGS).mkdir(parents=True, exist_ok=True)
-    recorded = {n: t.get("seconds") or 0.0 for n, t in times.items() if t.get("scale") == scale}
-    queue = sorted(chosen, key=lambda e: -recorded.get(e.name, float("inf")))
+    queue = longest_first(chosen, scale, times)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the workers share a GPU
     pool = _Pool((scale, root, times, cache))
     outcomes, preempted, failure = {}, False, None

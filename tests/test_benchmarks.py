@@ -2,6 +2,8 @@
 GPU only when one is lent, so CPU is where it is kept working), one scaling benchmark case and
 the finished-rerun benchmark."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -153,13 +155,15 @@ def test_the_reproduce_jobs_benchmark_times_only_the_same_bytes(monkeypatch, cap
     def fake_reproduce(workdir, scale, only, jobs):
         (workdir / "a").mkdir(parents=True)
         (workdir / "a" / "metrics.jsonl").write_bytes(content[jobs])
+        times = {"a": {"scale": scale, "seconds": 3.0}, "b": {"scale": scale, "seconds": 5.0}}
+        (workdir / "reproduce.json").write_text(json.dumps(times))
         return walls[jobs]
 
     monkeypatch.setattr(reproduce_jobs, "run_reproduce", fake_reproduce)
     reproduce_jobs.main(["--scale=tiny", "--repeats=2"])
     out = capsys.readouterr().out
     assert "1 files, the same bytes" in out and "| --jobs=2                 | 4.0 s" in out, out
-    assert "1.50x" in out
+    assert "1.50x" in out and "--jobs=2: 4.0 s; experiments (s): b 5, a 3" in out
     content[2] = b"other"
     with pytest.raises(SystemExit, match=r"other bytes than one at a time: \['a/metrics.jsonl'\]"):
         reproduce_jobs.main(["--scale=tiny"])

@@ -117,6 +117,27 @@ def test_a_worker_that_dies_costs_only_its_experiment(tmp_path):
     assert outcomes[0].reason.startswith("its worker process exited with status -9 (see ")
 
 
+def test_the_longest_experiment_starts_first_by_its_recorded_time_else_its_hint():
+    def record(name, hint=None, fallback=None):
+        seconds = {} if hint is None else {"small": hint}
+        return Experiment(name, name, "", {}, fallback=fallback, typical_seconds=seconds)
+
+    def order(scale, times):
+        return [e.name for e in reproduce_workers.longest_first(chosen, scale, times)]
+
+    pretrained = record("pretrained", fallback=record("random_init", 90))
+    chosen = (record("short", 5), record("unknown"), record("long", 200))
+    chosen += (pretrained, record("mid", 40))
+    assert order("small", {}) == ["unknown", "long", "pretrained", "mid", "short"]
+    times = {
+        "short": {"scale": "small", "seconds": 300.0},
+        "mid": {"scale": "paper", "seconds": 1e4},
+        "random_init": {"scale": "small", "seconds": 1.0},
+    }
+    assert order("small", times) == ["unknown", "short", "long", "mid", "pretrained"]
+    assert order("tiny", {}) == [e.name for e in chosen]
+
+
 def test_jobs_below_one_or_on_object_storage_is_refused_before_anything_is_written(tmp_path):
     with pytest.raises(ValueError, match=r"--jobs=0: give 1 or more"):
         reproduce.reproduce(str(tmp_path / "w"), "tiny", jobs=0)

@@ -173,6 +173,7 @@ EXPERIMENTS = (
             "SST-2, random-init GPT-2 (not the pretrained model)",
             "sst2.py",
             scale_variants("random_small,tiny", "random_small,small", "random_small"),
+            typical_seconds={"small": 81},
             claims=_CLAIMS,
             files=_FILES,
             label="random-init GPT-2, not the pretrained model",

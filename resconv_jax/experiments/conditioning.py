@@ -278,6 +278,7 @@ EXPERIMENTS = (
         "Rate against conditioning",
         "conditioning.py",
         scale_variants(),
+        typical_seconds={"small": 19},
         claims=(
             ClaimCheck(2, rate_vs_conditioning),
             ClaimCheck(2.1, rate_vs_conditioning_within_beta),

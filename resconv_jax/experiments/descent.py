@@ -321,6 +321,7 @@ EXPERIMENTS = (
         "Jena Climate β sweep",
         "jena.py",
         scale_variants(paper="full"),
+        typical_seconds={"small": 13},
         claims=(ClaimCheck(5.1, jena_descent), ClaimCheck(5.11, jena_descent_fixed_start)),
         files=(TABLE_FILE, "descent_by_beta.png", "beta_table.csv", "loss_by_beta.png"),
     ),
@@ -329,6 +330,7 @@ EXPERIMENTS = (
         "Jena Climate β sweep, replication of 5a (every window of 2009–2016, seeds 3–12)",
         "jena.py",
         scale_variants("full,replication,tiny", "full,replication", "full,replication"),
+        typical_seconds={"small": 155},
         claims=(
             ClaimCheck(5.15, jena_descent_replication),
             ClaimCheck(5.16, jena_descent_fixed_start_replication),

@@ -467,6 +467,7 @@ EXPERIMENTS = (
         "Rank collapse at initialization",
         "rank_collapse.py",
         scale_variants(small=""),
+        typical_seconds={"small": 6},
         claims=(
             ClaimCheck(3, residual_conditioning),
             ClaimCheck(3.1, residual_conditioning_stacked),

@@ -37,6 +37,9 @@ class Experiment:
     variants, "" for none). files: what its report writes besides metrics (for the reader).
     label: prefixed to the notes of its claims. fallback: the experiment run instead when this
     one's weights are not found, whose claims then carry `substitute` in their verdicts.
+    typical_seconds: per scale, about how long it takes from scratch, one experiment at a time on
+    this project's 2-core CPU machine (benchmarks/RESULTS.md §9); a hint that only `reproduce
+    --jobs` reads, to start the longest first in a folder that has no recorded times.
     """
 
     name: str
@@ -48,6 +51,7 @@ class Experiment:
     label: str = ""
     fallback: Experiment | None = None
     substitute: str = ""
+    typical_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def config_arg(self, scale: str) -> str:
         """`file.py:variants` as a config path is written on the command line."""

@@ -7,7 +7,7 @@ and with --jobs=N (the order alternated between repeats), each in a fresh workdi
 compilation cache of its own, and prints the wall times and their ratio. Before any time is
 reported, every metrics.jsonl, summary.json and CSV table of the two workdirs must be the same
 bytes: the workers run the programs one process runs. `--scale=small` with every experiment
-takes ~15 min per repeat on a 2-core CPU (~9 min one at a time, ~7 with 2 jobs).
+takes 13-16 min per repeat on a 2-core CPU (7-9 min one at a time, 6-7 with 2 jobs).
 """
 
 from __future__ import annotations

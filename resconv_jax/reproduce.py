@@ -10,7 +10,7 @@ claim, then each experiment's tables and figures, the machine, versions and wall
 `--jobs=N` runs N experiments at a time, each in a worker process with its output in
 DIR/logs/NAME.log (`reproduce_workers`): the same numbers, sooner on a CPU with cores to spare.
 
-`small` takes 6-12 minutes on 2 CPU cores (from scratch; README.md has the measured times); `paper`
+`small` takes 6-12 minutes on 2 CPU cores from scratch, ~6 with --jobs=2 (README.md); `paper`
 is the full protocol (a GPU or a pod); `tiny` is a smoke test whose numbers mean nothing. A finished
 experiment is reused, not rerun, only when its files pass the checks a resume makes (its task's
 `why_unfinished`: this scale's config, every run's line at every logged step up to the last, the

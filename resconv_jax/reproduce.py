@@ -115,13 +115,32 @@ def _unfinished_reason(config, workdir: str) -> str | None:
     return experiments.task_module(config.task).why_unfinished(config, workdir)
 
 
+def _x64(config):
+    """The x64 setting that `config`'s run, and the checks of its files, need."""
+    return jax.enable_x64(config.model.dtype == "float64" or config.probe.dtype == "float64")
+
+
+def _finished_before(experiment: Experiment, scale: str, root: str) -> bool:
+    """Whether `root` holds `experiment`'s finished, intact result at `scale` (its own, or, when
+    its own folder holds no run, its fallback's: `run_experiment` then reuses that one unless
+    the pretrained weights are found now, and runs the experiment itself)."""
+    for candidate in (experiment, experiment.fallback):
+        if candidate is None:
+            return False
+        config = candidate.load(scale)
+        with _x64(config):
+            problem = _unfinished_reason(config, os.path.join(root, candidate.name))
+        if problem != "":
+            return problem is None
+    return False
+
+
 def _run_one(experiment: Experiment, scale: str, root: str, times: dict) -> Outcome:
     config = experiment.load(scale)
     task = experiments.task_module(config.task)
     workdir = os.path.join(root, experiment.name)
-    float64 = config.model.dtype == "float64" or config.probe.dtype == "float64"
     print(f"== {experiment.name}: {experiment.title} ({workdir})", flush=True)
-    with jax.enable_x64(float64):
+    with _x64(config):
         problem = _unfinished_reason(config, workdir)
         if problem is None:
             tables = experiments.report_tables(task, workdir)
@@ -387,7 +406,14 @@ def _reproduce_locked(
             }
             wd.write_json(times_path, times)
 
-    jobs = min(jobs, len(chosen))  # one experiment runs in this process
+    done = {}
+    if jobs > 1:  # what is finished is reused here, without starting a worker for it
+        for experiment in chosen:
+            if _finished_before(experiment, scale, root):
+                done[experiment.name] = run_experiment(experiment, scale, root, times)
+                record(done[experiment.name])
+    rest = tuple(e for e in chosen if e.name not in done)
+    jobs = max(1, min(jobs, len(rest)))  # one experiment runs in this process
     if jobs > 1:
         from resconv_jax import reproduce_workers
 
@@ -399,13 +425,14 @@ def _reproduce_locked(
             record(outcome)
 
         outcomes = reproduce_workers.run_all(
-            chosen, scale, root, dict(times), jobs, compilation_cache, finished
+            rest, scale, root, dict(times), jobs, compilation_cache, finished
         )
+        done.update(zip((e.name for e in rest), outcomes, strict=True))
     else:
-        outcomes = []
-        for experiment in chosen:
-            outcomes.append(run_experiment(experiment, scale, root, times))
-            record(outcomes[-1])
+        for experiment in rest:
+            done[experiment.name] = run_experiment(experiment, scale, root, times)
+            record(done[experiment.name])
+    outcomes = [done[e.name] for e in chosen]
     smoke_test = stats.counts(**stats.SMOKE_TEST_COUNTS) if scale == "tiny" else nullcontext()
     with smoke_test:  # tiny's numbers mean nothing: fewer random draws for its statistics
         table = claims_table(outcomes)

@@ -1,5 +1,6 @@
 """`reproduce --jobs=N`: the experiments run N at a time, each in a worker process of its own.
 
+What is finished is reused by the parent itself (`reproduce`); the rest goes to the workers.
 Each worker is a fresh Python process (multiprocessing's "spawn": nothing of the parent's JAX
 state is inherited) that runs one experiment after another, as `reproduce` runs them one at a
 time (`run_experiment`: ran, resumed, reused or its fallback), with its output in

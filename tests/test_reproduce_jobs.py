@@ -3,8 +3,10 @@ SIGTERM stops every worker at a safe point; a worker that dies costs only its ex
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -115,6 +117,30 @@ def test_a_worker_that_dies_costs_only_its_experiment(tmp_path):
     outcomes = run_all([doomed, fine], tmp_path)
     assert [o.status for o in outcomes] == ["not run", "ran"]
     assert outcomes[0].reason.startswith("its worker process exited with status -9 (see ")
+
+
+@pytest.mark.slow
+def test_finished_experiments_are_reused_without_starting_a_worker(tmp_path, monkeypatch):
+    """Only what is not finished goes to workers: here one experiment, so it runs in this
+    process and no worker starts at all."""
+    chosen = tuple(experiment(tmp_path, name, **{"train.num_steps": 10}) for name in "abc")
+    root = str(tmp_path / "w")
+    for done in chosen[:2]:
+        assert reproduce.run_experiment(done, "paper", root, {}).status == "ran"
+    handed = []
+    monkeypatch.setattr(reproduce_workers, "run_all", lambda rest, *_: handed.append(rest))
+    assert reproduce._reproduce_locked(root, "paper", None, chosen, jobs=2) == 0
+    assert handed == []
+    report = (tmp_path / "w" / "REPORT.md").read_text()
+    assert "| a | reused |" in report and "| b | reused |" in report and "| c | ran |" in report
+    assert "at a time" not in report
+    # One whose weights were missing: finished when its own folder holds no run and its
+    # fallback's is finished; not when its own folder holds some other run.
+    pretrained = experiment(tmp_path, "p", **{"train.num_steps": 20})
+    pretrained = dataclasses.replace(pretrained, fallback=chosen[0])
+    assert reproduce._finished_before(pretrained, "paper", root)
+    shutil.copytree(tmp_path / "w" / "a", tmp_path / "w" / "p")
+    assert not reproduce._finished_before(pretrained, "paper", root)
 
 
 def test_the_longest_experiment_starts_first_by_its_recorded_time_else_its_hint():

@@ -408,6 +408,7 @@ def _reproduce_locked(
 
     done = {}
     if jobs > 1:  # what is finished is reused here, without starting a worker for it
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before JAX starts here
         for experiment in chosen:
             if _finished_before(experiment, scale, root):
                 done[experiment.name] = run_experiment(experiment, scale, root, times)

@@ -127,10 +127,18 @@ def test_finished_experiments_are_reused_without_starting_a_worker(tmp_path, mon
     root = str(tmp_path / "w")
     for done in chosen[:2]:
         assert reproduce.run_experiment(done, "paper", root, {}).status == "ran"
-    handed = []
+    handed, preallocate = [], set()
     monkeypatch.setattr(reproduce_workers, "run_all", lambda rest, *_: handed.append(rest))
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+    check = reproduce._finished_before
+
+    def checked(*args):  # reading a finished folder starts JAX: on a GPU, not preallocating
+        preallocate.add(os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE"))
+        return check(*args)
+
+    monkeypatch.setattr(reproduce, "_finished_before", checked)
     assert reproduce._reproduce_locked(root, "paper", None, chosen, jobs=2) == 0
-    assert handed == []
+    assert handed == [] and preallocate == {"false"}
     report = (tmp_path / "w" / "REPORT.md").read_text()
     assert "| a | reused |" in report and "| b | reused |" in report and "| c | ran |" in report
     assert "at a time" not in report

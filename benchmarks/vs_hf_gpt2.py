@@ -2,7 +2,7 @@
 PyTorch GPT2Model, same weights, data and loss.
 
     pip install -r requirements-bench.txt         # torch (CPU build) and transformers
-    python -m benchmarks.vs_hf_gpt2 --lr 2e-5      # L = 2, 10 at 32 x 64 tokens (~2.5 min, 2 cores)
+    python -m benchmarks.vs_hf_gpt2 --lr 2e-5      # L = 2, 10 at 32 x 64 tokens (~4 min, 2 cores)
     python -m benchmarks.vs_hf_gpt2 --layers 2 --batch 8 --tokens 32 --repeats 7
 
 Model: GPT-2 small's shape (n_embd 768, 12 heads, vocab 50257, n_positions 1024) with random
@@ -13,25 +13,30 @@ row, random labels in {0, 1}. Loss: ½·mean ‖F − onehot(y)‖² (configs/ss
 optim.reduction="mean"), β = 1 (GPT-2's residuals), step size optim.lr of configs/sst2.py.
 
 JAX: configs/sst2.py (the settings above; sweep.num_layers=(), sweep.beta=(β,)), the model of
-`resconv_jax.models.build_model` and the trainer's step (`resconv_jax.step.make_step_functions`
-with its reduction and loss, one run, R=1, without the probe), jitted with the state donated as
-in resconv_jax.train, one `step` per call (a step takes seconds: dispatch does not matter).
+`resconv_jax.models.build_model` and the trainer's step functions (`make_step_functions` with
+its reduction and loss, one run, R=1, without the probe), jitted with the state donated as in
+resconv_jax.train: `run_steps`, K = `--steps-per-call` GD steps in one on-device loop per call,
+as train.run steps between two log steps (train.log_every: 10 in configs/sst2.py). The step
+needs one block of temporaries (2.0 GiB at L = 10) that XLA:CPU allocates at every call and
+the kernel maps in page by page (531k page faults per call at L = 10, 0.6–0.8 s on this
+project's machine): a loop of K steps pays that once. `--steps-per-call 1` times one jitted
+`step` per call instead (benchmarks/RESULTS.md §4's figures up to 2026-12-05 at 3621652).
 PyTorch: `transformers.GPT2Model` with n_layer=L, dropout off (pdrop 0 and eval mode), the
 default attention implementation (`--attn-implementation`), `last_hidden_state` (ln_f applied)
 at the last real token times the head, `loss.backward()` and `p -= lr * p.grad` under
-`torch.no_grad()`, eager, float32, `torch.set_num_threads(<cores>)`. The JAX initial weights are
-copied into torch (Hugging Face's names: wte, wpe, h.i.ln_1, attn.c_attn, attn.c_proj, ln_2,
-mlp.c_fc, mlp.c_proj, ln_f; Conv1D weights are (in, out) in both). Before timing, the script
-asserts that the losses at the start and after `--check-steps` steps agree to `--rtol`, and that
-the parameter updates of those steps agree to `--update-rtol` (largest difference over the
-largest update); those steps are also the warm-up of both.
+`torch.no_grad()`, eager, float32, `torch.set_num_threads(<cores>)`, K steps per timing sample.
+The JAX initial weights are copied into torch (Hugging Face's names: wte, wpe, h.i.ln_1,
+attn.c_attn, attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj, ln_f; Conv1D weights are (in, out) in
+both). Before timing, the script asserts that the losses at the start and after `--check-steps`
+steps agree to `--rtol`, and that the parameter updates of those steps agree to `--update-rtol`
+(largest difference over the largest update); those steps are also the warm-up of both.
 
-Timing: per L, both steps round-robin (`benchmarks.common.interleave`), `--repeats` each;
-medians, IQR and the ratio torch / JAX of medians, and in the same round-robin one jitted
-(2048, 768) @ (768, 3072) float32 product (the MLP's, `MATMUL_SHAPE`): the machine's matmul
-FLOP/s, against which the JAX step's FLOP/s (XLA's count) is set, and the same product in torch
-(its BLAS, the ceiling of the Hugging Face step's projections). Targets (issue 20): torch / JAX
->= 1.0 and the step at >= 85 % of the matmul's FLOP/s.
+Timing: per L, both round-robin (`benchmarks.common.interleave`), `--repeats` samples of K steps
+each; medians per step, IQR and the ratio torch / JAX of medians, and in the same round-robin
+one jitted (2048, 768) @ (768, 3072) float32 product (the MLP's, `MATMUL_SHAPE`): the machine's
+matmul FLOP/s, against which the JAX step's FLOP/s (XLA's count of one compiled step) is set,
+and the same product in torch (its BLAS, the ceiling of the Hugging Face step's projections).
+Targets (issue 20): torch / JAX >= 1.0 and the step at >= 85 % of the matmul's FLOP/s.
 See benchmarks/RESULTS.md.
 """
 
@@ -208,7 +213,7 @@ def check_agreement(case, runs, model, batch, lr: float, args, label: str) -> st
         torch0 = float(model.loss(*batch))
     jax0 = float(case.final_losses()[0])
     for _ in range(args.check_steps):
-        jax.block_until_ready(case())
+        jax.block_until_ready(case(1 if case.loop_steps else None))
         model.step(*batch, lr)
     jax1 = float(case.final_losses()[0])
     with torch.no_grad():
@@ -237,10 +242,12 @@ def check_agreement(case, runs, model, batch, lr: float, args, label: str) -> st
     return line
 
 
-def xla_flops(case) -> float:
-    """XLA's FLOP count of the compiled step (NaN when it has none)."""
+def xla_flops(runs: common.Runs) -> float:
+    """XLA's FLOP count of one compiled step (NaN when it has none). A loop's count is not K
+    times its step's (XLA counts a while loop's body once), so the step is compiled for it."""
     try:
-        cost = case.compiled.cost_analysis()
+        step = jax.jit(common.step_fn(runs.fns)).lower(runs.state, runs.hp, runs.x, runs.y)
+        cost = step.compile().cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
         return float(cost["flops"])
     except Exception:  # noqa: BLE001 - diagnostics only
@@ -283,10 +290,19 @@ def bench_depth(layers: int, args, dataset: Dataset) -> tuple[list, str, str]:
     """The table row, the agreement line and the timing line of depth L."""
     config = gpt2_config(layers, args.beta, args.lr)
     lr = config.optim.lr
+    if args.steps_per_call > config.train.log_every:
+        raise SystemExit(
+            f"--steps-per-call {args.steps_per_call} is more than run_steps does per call "
+            f"(train.log_every = {config.train.log_every} in configs/sst2.py)"
+        )
     t0 = time.perf_counter()
     runs = build_jax(config, dataset)
-    case = common.Case(common.step_fn(runs.fns), [runs], None)
+    if args.steps_per_call == 1:
+        case = common.Case(common.step_fn(runs.fns), [runs], None)
+    else:
+        case = common.Case(runs.fns.run_steps, [runs], args.steps_per_call)
     compile_s = time.perf_counter() - t0
+    flops = xla_flops(runs)
     shape = dict(config.model.gpt2.shape)
     model = TorchGPT2(
         {k: v for k, v in shape.items() if k != "n_layer"},
@@ -302,22 +318,30 @@ def bench_depth(layers: int, args, dataset: Dataset) -> tuple[list, str, str]:
     matmul, matmul_flops = matmul_case()
     matmuls, matmul_calls = repeated(matmul)
     torch_matmuls, torch_calls = repeated(torch_matmul_case())
+    k = case.steps_per_call()
+
+    def torch_steps():
+        for _ in range(k):
+            model.step(*batch, lr)
+
     cases = {
-        "jax": lambda: case(),
-        torch_label: lambda: model.step(*batch, lr),
+        "jax": lambda: jax.block_until_ready(case()),
+        torch_label: torch_steps,
         "matmul": matmuls,
         "torch matmul": torch_matmuls,
     }
     load_before = common.load_average()
     times = common.interleave(cases, args.repeats, warmup=0)  # the check steps warmed both up
+    for name in ("jax", torch_label):
+        times[name] = [t / k for t in times[name]]
     t_jax, t_torch = common.median(times["jax"]), common.median(times[torch_label])
     speed = t_torch / t_jax
-    flops = xla_flops(case)
     ceiling = matmul_calls * matmul_flops / common.median(times["matmul"])
     torch_ceiling = torch_calls * matmul_flops / common.median(times["torch matmul"])
     share = flops / t_jax / ceiling
     row = [
         layers,
+        k,
         common.fmt_time(t_jax),
         common.spread(times["jax"]),
         common.fmt_time(t_torch),
@@ -333,7 +357,8 @@ def bench_depth(layers: int, args, dataset: Dataset) -> tuple[list, str, str]:
         f"{torch_ceiling / 1e9:.0f}",
     ]
     detail = (
-        f"{label}: lr={lr:g}, JAX build + compile {compile_s:.1f} s, load average "
+        f"{label}: lr={lr:g}, {k} step(s) per call and per torch sample, JAX build + compile "
+        f"{compile_s:.1f} s, load average "
         f"{load_before} -> {common.load_average()}; seconds per step JAX "
         f"{', '.join(f'{t:.2f}' for t in times['jax'])}; torch "
         f"{', '.join(f'{t:.2f}' for t in times[torch_label])}"
@@ -350,6 +375,13 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=4, help="interleaved repeats (>= 4 for IQR)")
     p.add_argument("--beta", type=float, default=1.0, help="β for both residuals")
     p.add_argument("--lr", type=float, default=None, help="step size (default: configs/sst2.py)")
+    p.add_argument(
+        "--steps-per-call",
+        type=int,
+        default=3,
+        help="K: JAX steps per call of run_steps (<= train.log_every) and torch steps per sample;"
+        " 1: one jitted step per call",
+    )
     p.add_argument("--check-steps", type=int, default=2, help="steps before the agreement check")
     p.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance on the losses")
     p.add_argument(
@@ -366,6 +398,8 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch.set_num_threads")
     p.add_argument("--output", default="", help="also write the table (Markdown) here")
     args = p.parse_args(argv)
+    if args.steps_per_call < 1:
+        p.error(f"--steps-per-call must be >= 1, got {args.steps_per_call}")
     torch.set_num_threads(args.threads)
     layers = [int(v) for v in args.layers.split(",") if v.strip()]
     t_start = time.perf_counter()
@@ -382,6 +416,7 @@ def main(argv=None) -> None:
         details.append(detail)
     headers = [
         "L",
+        "steps / call",
         "JAX step",
         "IQR",
         "torch step",
@@ -399,7 +434,8 @@ def main(argv=None) -> None:
     text = (
         f"One GD step, {args.batch} sentences x {args.tokens} tokens ({padded} right-padded), "
         f"GPT-2-small-shaped (random init), beta={args.beta:g}, float32; medians of "
-        f"{args.repeats} interleaved repeats; load average at the end {common.load_average()}.\n\n"
+        f"{args.repeats} interleaved repeats of {args.steps_per_call} step(s) (JAX: per call); "
+        f"load average at the end {common.load_average()}.\n\n"
         "Agreement before timing (asserted):\n"
         + "".join(f"- {line}\n" for line in checks)
         + "\nTimes:\n"

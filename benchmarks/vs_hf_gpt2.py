@@ -24,9 +24,7 @@ project's machine): a loop of K steps pays that once. `--steps-per-call 1` times
 PyTorch: `transformers.GPT2Model` with n_layer=L, dropout off (pdrop 0 and eval mode), the
 default attention implementation (`--attn-implementation`), `last_hidden_state` (ln_f applied)
 at the last real token times the head, `loss.backward()` and `p -= lr * p.grad` under
-`torch.no_grad()`, eager, float32, `torch.set_num_threads(<cores>)`, K steps per timing sample,
-in a child process that waits while JAX runs (`benchmarks/hf_gpt2_torch.py`: next to torch in
-one process the JAX step ran 5-12 % slower than alone; `--same-process` for that set-up).
+`torch.no_grad()`, eager, float32, `torch.set_num_threads(<cores>)`, K steps per timing sample.
 The JAX initial weights are copied into torch (Hugging Face's names: wte, wpe, h.i.ln_1,
 attn.c_attn, attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj, ln_f; Conv1D weights are (in, out) in
 both). Before timing, the script asserts that the losses at the start and after `--check-steps`
@@ -66,9 +64,8 @@ from resconv_jax.step import init_opt_state, make_optimizer, make_step_functions
 from resconv_jax.sweep import expand_runs, run_settings  # noqa: E402
 
 try:
+    import torch  # noqa: E402
     import transformers  # noqa: E402
-
-    from benchmarks import hf_gpt2_torch  # noqa: E402 - imports torch
 except ImportError:  # pragma: no cover - benchmark-only dependencies
     sys.exit("vs_hf_gpt2 needs torch and transformers: pip install -r requirements-bench.txt")
 
@@ -130,24 +127,100 @@ def build_jax(config, dataset: Dataset) -> common.Runs:
     return common.Runs(fns, state, hp, x, jnp.asarray(dataset.y_train), model.graphdef, params0)
 
 
+def flat(params: dict, prefix: str = "") -> dict[str, np.ndarray]:
+    """{"h.0.attn.c_attn.weight": array, ...}: a nested parameter dict under Hugging Face's
+    dotted names (list indices and dict keys alike)."""
+    out = {}
+    for key, value in params.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out |= flat(value, name + ".")
+        else:
+            out[name] = np.asarray(value)
+    return out
+
+
+class TorchGPT2:
+    """Hugging Face's GPT2Model (n_layer = L) and a linear head, weights from resconv_jax."""
+
+    def __init__(self, gpt2_cfg: dict, layers: int, params0: dict, attn_implementation: str):
+        hf_config = transformers.GPT2Config(
+            **gpt2_cfg,
+            n_layer=layers,
+            activation_function="gelu_new",
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            layer_norm_epsilon=1e-5,
+        )
+        if attn_implementation:
+            hf_config._attn_implementation = attn_implementation
+        self.model = transformers.GPT2Model(hf_config).eval()  # eval(): no dropout either way
+        self.attn_implementation = self.model.config._attn_implementation
+        weights = flat(params0)
+        head = weights.pop("head.weight")
+        names = dict(self.model.named_parameters())
+        if set(names) != set(weights):
+            only_torch, only_jax = set(names) - set(weights), set(weights) - set(names)
+            raise SystemExit(
+                f"Hugging Face GPT2Model parameters differ from resconv_jax's: only in torch "
+                f"{sorted(only_torch)}, only in JAX {sorted(only_jax)}"
+            )
+        with torch.no_grad():
+            for name, p in names.items():
+                if tuple(p.shape) != weights[name].shape:
+                    raise SystemExit(f"{name}: torch {tuple(p.shape)} vs JAX {weights[name].shape}")
+                p.copy_(torch.from_numpy(weights[name]))
+        self.head = torch.tensor(head, dtype=torch.float32, requires_grad=True)
+        self.names = list(names) + ["head.weight"]
+        self.params = list(names.values()) + [self.head]
+
+    def loss(self, ids: torch.Tensor, mask: torch.Tensor, onehot: torch.Tensor) -> torch.Tensor:
+        hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state  # ln_f applied
+        last = mask.sum(-1) - 1
+        logits = hidden[torch.arange(ids.shape[0]), last] @ self.head
+        return 0.5 * torch.mean(torch.square(logits - onehot))  # optim.reduction = "mean"
+
+    def step(self, ids, mask, onehot, lr: float) -> torch.Tensor:
+        """One full-batch GD step; returns the loss of the parameters it started from."""
+        loss = self.loss(ids, mask, onehot)
+        loss.backward()
+        with torch.no_grad():
+            for p in self.params:
+                p -= lr * p.grad
+                p.grad = None
+        return loss.detach()
+
+    def weights(self) -> dict[str, np.ndarray]:
+        return {n: p.detach().numpy().copy() for n, p in zip(self.names, self.params, strict=True)}
+
+
+def torch_batch(dataset: Dataset):
+    ids = torch.from_numpy(dataset.x_train["ids"].astype(np.int64))
+    mask = torch.from_numpy(dataset.x_train["mask"].astype(np.int64))
+    onehot = torch.nn.functional.one_hot(torch.from_numpy(dataset.y_train.astype(np.int64)))
+    return ids, mask, onehot.to(torch.float32)
+
+
 def rel(a: float, b: float) -> float:
     return abs(a - b) / abs(a)
 
 
-def check_agreement(case, runs, torch_side, args, label: str) -> str:
+def check_agreement(case, runs, model, batch, lr: float, args, label: str) -> str:
     """Losses at the start and after `args.check_steps` steps of the timed JAX case and the torch
     model, and their parameter updates; SystemExit past the tolerances; returns a report line."""
-    torch0 = torch_side.loss()
+    with torch.no_grad():
+        torch0 = float(model.loss(*batch))
     jax0 = float(case.final_losses()[0])
     for _ in range(args.check_steps):
         jax.block_until_ready(case(1 if case.loop_steps else None))
-        torch_side.steps(1)
+        model.step(*batch, lr)
     jax1 = float(case.final_losses()[0])
-    torch1 = torch_side.loss()
-    flat = hf_gpt2_torch.flat
+    with torch.no_grad():
+        torch1 = float(model.loss(*batch))
     before = flat(runs.params0)
     after_jax = {k: v[0] for k, v in flat(jax.device_get(case.states[0]["params"])).items()}
-    after_torch = torch_side.weights()
+    after_torch = model.weights()
     worst_update, worst_diff, worst_name = 0.0, 0.0, ""
     for name, w0 in before.items():
         dj, dt = after_jax[name] - w0, after_torch[name] - w0
@@ -192,6 +265,16 @@ def matmul_case() -> tuple[Callable[[], object], float]:
     return lambda: jax.block_until_ready(product(a, b)), 2.0 * m * k * n
 
 
+def torch_matmul_case() -> Callable[[], object]:
+    """The same product in torch (its BLAS): the ceiling of the Hugging Face step's kernels."""
+    m, k, n = MATMUL_SHAPE
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(m, k, generator=generator)
+    b = torch.randn(k, n, generator=generator)
+    a @ b
+    return lambda: a @ b
+
+
 def repeated(product: Callable[[], object], seconds: float = 0.5) -> tuple[Callable[[], None], int]:
     """(`product` called n times in a row, n): n calls take about `seconds` (one timing sample)."""
     times = max(1, round(seconds / max(common.timed(product), 1e-6)))
@@ -221,37 +304,34 @@ def bench_depth(layers: int, args, dataset: Dataset) -> tuple[list, str, str]:
     compile_s = time.perf_counter() - t0
     flops = xla_flops(runs)
     shape = dict(config.model.gpt2.shape)
-    torch_side = (
-        hf_gpt2_torch.TorchInProcess if args.same_process else hf_gpt2_torch.TorchProcess
-    )(
-        gpt2_cfg={k: v for k, v in shape.items() if k != "n_layer"},
-        layers=layers,
-        params0=runs.params0,
-        attn_implementation=args.attn_implementation,
-        threads=args.threads,
-        batch=(dataset.x_train["ids"], dataset.x_train["mask"], dataset.y_train),
-        lr=lr,
-        matmul_shape=MATMUL_SHAPE,
+    model = TorchGPT2(
+        {k: v for k, v in shape.items() if k != "n_layer"},
+        layers,
+        runs.params0,
+        args.attn_implementation,
     )
-    try:
-        label = f"L={layers}"
-        check = check_agreement(case, runs, torch_side, args, label)
-        print(check, flush=True)
-        torch_label = f"torch ({torch_side.attn_implementation})"
-        matmul, matmul_flops = matmul_case()
-        matmuls, matmul_calls = repeated(matmul)
-        k = case.steps_per_call()
-        cases = {
-            "jax": lambda: jax.block_until_ready(case()),
-            torch_label: lambda: torch_side.steps(k),
-            "matmul": matmuls,
-            "torch matmul": torch_side.matmuls,
-        }
-        load_before = common.load_average()
-        times = common.interleave(cases, args.repeats, warmup=0)  # the check steps warmed both
-    finally:
-        torch_side.close()
-    torch_calls = torch_side.matmul_calls
+    batch = torch_batch(dataset)
+    label = f"L={layers}"
+    check = check_agreement(case, runs, model, batch, lr, args, label)
+    print(check, flush=True)
+    torch_label = f"torch ({model.attn_implementation})"
+    matmul, matmul_flops = matmul_case()
+    matmuls, matmul_calls = repeated(matmul)
+    torch_matmuls, torch_calls = repeated(torch_matmul_case())
+    k = case.steps_per_call()
+
+    def torch_steps():
+        for _ in range(k):
+            model.step(*batch, lr)
+
+    cases = {
+        "jax": lambda: jax.block_until_ready(case()),
+        torch_label: torch_steps,
+        "matmul": matmuls,
+        "torch matmul": torch_matmuls,
+    }
+    load_before = common.load_average()
+    times = common.interleave(cases, args.repeats, warmup=0)  # the check steps warmed both up
     for name in ("jax", torch_label):
         times[name] = [t / k for t in times[name]]
     t_jax, t_torch = common.median(times["jax"]), common.median(times[torch_label])
@@ -316,15 +396,11 @@ def main(argv=None) -> None:
         help="transformers attention ('sdpa', 'eager'; default: transformers' default)",
     )
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch.set_num_threads")
-    p.add_argument(
-        "--same-process",
-        action="store_true",
-        help="run torch in this process (default: a child process; see hf_gpt2_torch.py)",
-    )
     p.add_argument("--output", default="", help="also write the table (Markdown) here")
     args = p.parse_args(argv)
     if args.steps_per_call < 1:
         p.error(f"--steps-per-call must be >= 1, got {args.steps_per_call}")
+    torch.set_num_threads(args.threads)
     layers = [int(v) for v in args.layers.split(",") if v.strip()]
     t_start = time.perf_counter()
     header = f"Machine: {common.machine()}; transformers {transformers.__version__}"

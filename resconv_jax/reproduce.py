@@ -3,14 +3,16 @@ in DIR/<name>/ and writes DIR/REPORT.md, the claims table of docs/protocol.md wi
 claim, then each experiment's tables and figures, the machine, versions and wall times.
 
     python -m resconv_jax.reproduce --workdir=DIR [--scale=small|paper|tiny] [--readme=README.md]
-        [--only=NAME,...] [--jobs=N]
+        [--only=NAME,...] [--jobs=N|auto]
 
 `--only` runs and reports just the named experiments (REPORT.md's names, e.g.
 `--only=conditioning --scale=paper` for claim 2's full sweep); `--readme` needs them all.
 `--jobs=N` runs N experiments at a time, each in a worker process with its output in
 DIR/logs/NAME.log (`reproduce_workers`): the same numbers, sooner on a CPU with cores to spare.
+The default, `--jobs=auto`, is 2 on a CPU with two cores or more and 1 on an accelerator;
+`--jobs=1` runs them one after another in this process, their output on the terminal.
 
-`small` takes 6-12 minutes on 2 CPU cores from scratch, ~6 with --jobs=2 (README.md); `paper`
+`small` takes ~6 minutes on 2 CPU cores from scratch (7 one at a time; README.md); `paper`
 is the full protocol (a GPU or a pod); `tiny` is a smoke test whose numbers mean nothing. A finished
 experiment is reused, not rerun, only when its files pass the checks a resume makes (its task's
 `why_unfinished`: this scale's config, every run's line at every logged step up to the last, the
@@ -350,21 +352,39 @@ def selected(only: tuple[str, ...] = ()) -> tuple[Experiment, ...]:
     return tuple(e for e in everything if not only or e.name in only)
 
 
+def resolve_jobs(jobs: int | str, root: str) -> int:
+    """`jobs` as a number ("auto": `reproduce_workers.automatic_jobs`, said in one line)."""
+    if jobs != "auto":
+        return int(jobs)
+    from resconv_jax import reproduce_workers
+
+    number, why = reproduce_workers.automatic_jobs(root)
+    if number > 1:
+        print(f"--jobs=auto: up to {number} experiments at a time ({why}), each in a worker "
+              f"process with its output in {os.path.join(root, reproduce_workers.LOGS)}/; "
+              "--jobs=1 runs them one after another here", flush=True)  # fmt: skip
+    else:
+        print(f"--jobs=auto: one experiment at a time ({why})", flush=True)
+    return number
+
+
 def reproduce(
     root: str,
     scale: str,
     readme: str | None = None,
     only: tuple[str, ...] = (),
-    jobs: int = 1,
+    jobs: int | str = 1,
     compilation_cache: str = "",
 ) -> int:
-    """Runs every experiment of `scale` (or those named in `only`) in `root`, `jobs` at a time,
-    and writes REPORT.md (and, given `readme`, its claims table into that file: `splice_readme`);
-    the exit status. Holds `root`'s lock throughout: WorkdirBusy when another process holds it.
-    `compilation_cache`: the workers' setting (`compile_cache.enable`) when `jobs` > 1."""
-    if jobs < 1:
+    """Runs every experiment of `scale` (or those named in `only`) in `root`, `jobs` at a time
+    (a number, or "auto": `resolve_jobs`), and writes REPORT.md (and, given `readme`, its claims
+    table into that file: `splice_readme`); the exit status. Holds `root`'s lock throughout:
+    WorkdirBusy when another process holds it. `compilation_cache`: the workers' setting
+    (`compile_cache.enable`) when `jobs` > 1."""
+    jobs = "auto" if jobs == "auto" else int(jobs)
+    if jobs != "auto" and jobs < 1:
         raise ValueError(f"--jobs={jobs}: give 1 or more experiments at a time")
-    if jobs > 1 and not wd.is_local(root):
+    if jobs != "auto" and jobs > 1 and not wd.is_local(root):
         raise ValueError(
             f"--jobs={jobs}: the workers write their output to a local WORKDIR/logs/; "
             f"run --workdir={root} with --jobs=1, or use a local --workdir"
@@ -380,6 +400,7 @@ def reproduce(
     lock = wd.WorkdirLock(root)
     lock.acquire()  # another reproduce on this folder: WorkdirBusy, naming it
     try:
+        jobs = resolve_jobs(jobs, root)
         return _reproduce_locked(root, scale, readme, chosen, jobs, compilation_cache)
     finally:
         lock.release()
@@ -464,11 +485,16 @@ def _define_flags() -> None:
         "Run and report only these experiments (names as in REPORT.md), e.g. "
         "--only=conditioning; every one when empty.",
     )
-    flags.DEFINE_integer(
+    flags.DEFINE_string(
         "jobs",
-        1,
-        "Experiments run at a time, each in a worker process (output in WORKDIR/logs/).",
-        lower_bound=1,
+        "auto",
+        "Experiments run at a time, each in a worker process (output in WORKDIR/logs/); 1: one "
+        "after another in this process; auto: 2 on a CPU with 2 cores or more, else 1.",
+    )
+    flags.register_validator(
+        "jobs",
+        lambda value: value == "auto" or (value.isdigit() and int(value) >= 1),
+        message="give a positive number of experiments at a time, or auto",
     )
     flags.DEFINE_string(
         "compilation_cache",

@@ -212,6 +212,7 @@ def test_reproduce_tiny_writes_every_claim_and_knows_its_runs_finished(tmp_path)
     assert "## Machine" in report and "jax " in report
     assert "| theory | ran |" in report and "| sst2_random | ran |" in report  # wall times
     assert "s from the first experiment to the claims table (theory " in first.stdout
+    assert first.stdout.startswith("--jobs=auto: ")  # the default: 2 at a time on 2 CPU cores
     check_the_sst2_random_run(tmp_path / "sst2_random")
     # A second invocation reuses every experiment (checked end to end by hand: 7 of 7 reused):
     # each one's workdir is recognised as this config's, finished.
@@ -226,11 +227,16 @@ def test_reproduce_tiny_writes_every_claim_and_knows_its_runs_finished(tmp_path)
 
 
 @pytest.mark.slow
-def test_reproduce_refuses_a_bad_scale(tmp_path):
+def test_reproduce_refuses_a_bad_scale_or_jobs(tmp_path):
     command = [sys.executable, "-m", "resconv_jax.reproduce", f"--workdir={tmp_path / 'w'}",
                "--scale=huge"]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and result.stderr.startswith("error: bad flag: flag --scale=huge")
+    command[-1] = "--jobs=two"
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("error: bad flag: flag --jobs=two: give a positive number")
+    assert len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "w").exists()
 
 

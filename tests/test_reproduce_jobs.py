@@ -181,6 +181,25 @@ def test_jobs_below_one_or_on_object_storage_is_refused_before_anything_is_writt
     assert not Path("gs:").exists()
 
 
+def test_jobs_auto_is_two_on_a_cpu_with_two_cores_and_one_elsewhere(tmp_path, monkeypatch):
+    import jax
+
+    cores = [2]
+    monkeypatch.setattr(reproduce_workers, "usable_cores", lambda: cores[0])
+    root = str(tmp_path / "w")
+    assert reproduce_workers.automatic_jobs(root) == (2, "a CPU backend with 2 cores")
+    cores[0] = 16  # not measured beyond 2 jobs: compiles overlap, each process uses every core
+    assert reproduce_workers.automatic_jobs(root)[0] == 2
+    cores[0] = 1
+    assert reproduce_workers.automatic_jobs(root) == (1, "a CPU backend with 1 core")
+    cores[0] = 2
+    assert reproduce_workers.automatic_jobs("gs://bucket/w") == (1, "a workdir that is not local")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert reproduce_workers.automatic_jobs(root) == (1, "a gpu backend: one device to share")
+    assert reproduce.resolve_jobs("3", root) == 3
+    assert not (tmp_path / "w").exists()
+
+
 ORPHAN_PARENT = """
 import sys
 from pathlib import Path

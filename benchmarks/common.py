@@ -256,26 +256,17 @@ def fmt_time(seconds: float) -> str:
     return f"{seconds * 1e6:.0f} us"
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine() -> str:
     """One line naming the machine and the software versions."""
     import jaxlib
 
-    cores = os.cpu_count()
+    from resconv_jax.runtime import host
+
+    cores = host.usable_cores()
     flags = os.environ.get("XLA_FLAGS", "")
     parts = [
         f"resconv_jax {git_commit()}",
-        f"{cpu_model()}, {cores} cores",
+        f"{host.cpu_model()}, {cores} cores",
         f"Linux {platform.release()}" if sys.platform.startswith("linux") else sys.platform,
         f"Python {platform.python_version()}",
         f"jax {jax.__version__} / jaxlib {jaxlib.__version__} ({jax.default_backend()}, "

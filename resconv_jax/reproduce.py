@@ -63,7 +63,7 @@ from resconv_jax.errors import (  # noqa: E402
 from resconv_jax.experiments import claims, results_cache  # noqa: E402
 from resconv_jax.experiments.claims import Claim  # noqa: E402
 from resconv_jax.experiments.record import SCALES, Experiment  # noqa: E402
-from resconv_jax.runtime import compile_cache  # noqa: E402
+from resconv_jax.runtime import compile_cache, host  # noqa: E402
 from resconv_jax.runtime import workdir as wd  # noqa: E402
 from resconv_jax.runtime.workdir import read_saved_config  # noqa: E402
 from resconv_jax.validation import check_workdir  # noqa: E402
@@ -252,8 +252,8 @@ def machine() -> list[str]:
         except metadata.PackageNotFoundError:
             versions.append(f"{name} (not installed)")
     return [
-        f"- machine: {platform.platform()}, {os.cpu_count()} CPU cores, Python "
-        f"{platform.python_version()}",
+        f"- machine: {host.cpu_model()}, {host.usable_cores()} of {os.cpu_count()} CPU cores "
+        f"usable, {platform.platform()}, Python {platform.python_version()}",
         f"- JAX devices: {len(devices)} × {devices[0].device_kind} ({devices[0].platform})",
         "- versions: " + ", ".join(versions),
     ]

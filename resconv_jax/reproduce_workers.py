@@ -155,19 +155,13 @@ class _Pool:
                 worker.process.join()
 
 
-def usable_cores() -> int:
-    """The CPU cores this process may run on."""
-    if hasattr(os, "sched_getaffinity"):  # Linux: what taskset or a container allows
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 def automatic_jobs(root: str) -> tuple[int, str]:
     """`--jobs=auto`: (experiments at a time, why in words). Two on a CPU backend with two cores
     or more (XLA compiles on one core and small programs leave the other idle: 1.24x at
     --scale=small on 2 cores, the same bytes; more than 2 not measured); one on an accelerator (the
     experiments would share one device), on one core, or for a workdir that is not local (the
     workers' logs are local files). Starts JAX's backend in this process."""
+    from resconv_jax.runtime import host
     from resconv_jax.runtime import workdir as wd
 
     if not wd.is_local(root):
@@ -177,7 +171,7 @@ def automatic_jobs(root: str) -> tuple[int, str]:
     platform = jax.default_backend()
     if platform != "cpu":
         return 1, f"a {platform} backend: one device to share"
-    cores = usable_cores()
+    cores = host.usable_cores()
     return min(2, cores), f"a CPU backend with {cores} core{'s' if cores > 1 else ''}"
 
 

@@ -373,3 +373,17 @@ def test_only_runs_and_reports_just_the_named_experiment(tmp_path):
     assert "| 3. residual" in report and "| 3″. residual" in report
     assert "| 1. linear" not in report and "`theory`" not in report
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["rank_collapse"]
+
+
+def test_the_report_names_the_cpu_and_the_cores_this_process_may_use(monkeypatch):
+    """The printed digits of a few claims depend on the CPU and on how many cores XLA:CPU splits
+    its work over (README, claims section), so REPORT.md says both."""
+    from resconv_jax import reproduce
+    from resconv_jax.runtime import host
+
+    monkeypatch.setattr(host, "cpu_model", lambda: "Test CPU 9000")
+    monkeypatch.setattr(host, "usable_cores", lambda: 1)
+    line = reproduce.machine()[0]
+    assert line.startswith("- machine: Test CPU 9000, 1 of ") and " CPU cores usable, " in line
+    monkeypatch.undo()
+    assert 1 <= host.usable_cores() <= os.cpu_count() and host.cpu_model()

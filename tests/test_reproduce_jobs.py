@@ -19,7 +19,7 @@ import pytest
 from resconv_jax import reproduce, reproduce_workers
 from resconv_jax.errors import Preempted
 from resconv_jax.experiments.record import Experiment, scale_variants
-from resconv_jax.runtime import signals
+from resconv_jax.runtime import host, signals
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.py"
 # Steps that take ~50 s here, far longer than these tests wait for: a missed signal fails the test
@@ -185,7 +185,7 @@ def test_jobs_auto_is_two_on_a_cpu_with_two_cores_and_one_elsewhere(tmp_path, mo
     import jax
 
     cores = [2]
-    monkeypatch.setattr(reproduce_workers, "usable_cores", lambda: cores[0])
+    monkeypatch.setattr(host, "usable_cores", lambda: cores[0])
     root = str(tmp_path / "w")
     assert reproduce_workers.automatic_jobs(root) == (2, "a CPU backend with 2 cores")
     cores[0] = 16  # not measured beyond 2 jobs: compiles overlap, each process uses every core

@@ -3,6 +3,7 @@ PyTorch GPT2Model, same weights, data and loss.
 
     pip install -r requirements-bench.txt         # torch (CPU build) and transformers
     python -m benchmarks.vs_hf_gpt2 --lr 2e-5      # L = 2, 10 at 32 x 64 tokens (~4 min, 2 cores)
+    python -m benchmarks.vs_hf_gpt2 --lr 2e-5 --repeats 5 --steps-per-call 10  # as sst2 trains
     python -m benchmarks.vs_hf_gpt2 --layers 2 --batch 8 --tokens 32 --repeats 7
 
 Model: GPT-2 small's shape (n_embd 768, 12 heads, vocab 50257, n_positions 1024) with random

@@ -7,7 +7,7 @@ import platform
 
 
 def cpu_model() -> str:
-    """The CPU's model name ('AMD EPYC 9R14'; /proc/cpuinfo on Linux), else the platform's
+    """The CPU's model name (/proc/cpuinfo's 'model name' on Linux), else the platform's
     processor or machine type."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:

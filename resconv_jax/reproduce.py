@@ -9,7 +9,8 @@ claim, then each experiment's tables and figures, the machine, versions and wall
 `--only=conditioning --scale=paper` for claim 2's full sweep); `--readme` needs them all.
 `--jobs=N` runs N experiments at a time, each in a worker process with its output in
 DIR/logs/NAME.log (`reproduce_workers`): the same numbers, sooner on a CPU with cores to spare.
-The default, `--jobs=auto`, is 2 on a CPU with two cores or more and 1 on an accelerator;
+The default, `--jobs=auto`, is 2 on a CPU with two cores or more (1 at --scale=paper, whose
+experiments are sized to fill a machine) and 1 on an accelerator;
 `--jobs=1` runs them one after another in this process, their output on the terminal.
 
 `small` takes ~6 minutes on 2 CPU cores from scratch (7 one at a time; README.md); `paper`
@@ -352,13 +353,13 @@ def selected(only: tuple[str, ...] = ()) -> tuple[Experiment, ...]:
     return tuple(e for e in everything if not only or e.name in only)
 
 
-def resolve_jobs(jobs: int | str, root: str) -> int:
+def resolve_jobs(jobs: int | str, root: str, scale: str) -> int:
     """`jobs` as a number ("auto": `reproduce_workers.automatic_jobs`, said in one line)."""
     if jobs != "auto":
         return int(jobs)
     from resconv_jax import reproduce_workers
 
-    number, why = reproduce_workers.automatic_jobs(root)
+    number, why = reproduce_workers.automatic_jobs(root, scale)
     if number > 1:
         print(f"--jobs=auto: up to {number} experiments at a time ({why}), each in a worker "
               f"process with its output in {os.path.join(root, reproduce_workers.LOGS)}/; "
@@ -400,7 +401,7 @@ def reproduce(
     lock = wd.WorkdirLock(root)
     lock.acquire()  # another reproduce on this folder: WorkdirBusy, naming it
     try:
-        jobs = resolve_jobs(jobs, root)
+        jobs = resolve_jobs(jobs, root, scale)
         return _reproduce_locked(root, scale, readme, chosen, jobs, compilation_cache)
     finally:
         lock.release()
@@ -489,7 +490,8 @@ def _define_flags() -> None:
         "jobs",
         "auto",
         "Experiments run at a time, each in a worker process (output in WORKDIR/logs/); 1: one "
-        "after another in this process; auto: 2 on a CPU with 2 cores or more, else 1.",
+        "after another in this process; auto: 2 on a CPU with 2 cores or more at --scale=tiny or "
+        "small, else 1.",
     )
     flags.register_validator(
         "jobs",

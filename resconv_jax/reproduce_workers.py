@@ -155,17 +155,21 @@ class _Pool:
                 worker.process.join()
 
 
-def automatic_jobs(root: str) -> tuple[int, str]:
-    """`--jobs=auto`: (experiments at a time, why in words). Two on a CPU backend with two cores
-    or more (XLA compiles on one core and small programs leave the other idle: 1.24x at
-    --scale=small on 2 cores, the same bytes; more than 2 not measured); one on an accelerator (the
+def automatic_jobs(root: str, scale: str) -> tuple[int, str]:
+    """`--jobs=auto`: (experiments at a time, why in words). Two at --scale=tiny or small on a CPU
+    backend with two cores or more (XLA compiles on one core and small programs leave the other
+    idle: 1.24x at --scale=small on 2 cores, the same bytes; more than 2 not measured); one at
+    --scale=paper (its experiments are sized to fill a machine's memory), on an accelerator (the
     experiments would share one device), on one core, or for a workdir that is not local (the
-    workers' logs are local files). Starts JAX's backend in this process."""
+    workers' logs are local files). Starts JAX's backend in this process unless it returns first.
+    """
     from resconv_jax.runtime import host
     from resconv_jax.runtime import workdir as wd
 
     if not wd.is_local(root):
         return 1, "a workdir that is not local"
+    if scale == "paper":
+        return 1, "--scale=paper: each experiment may need the whole machine"
     import jax
 
     platform = jax.default_backend()

@@ -187,16 +187,23 @@ def test_jobs_auto_is_two_on_a_cpu_with_two_cores_and_one_elsewhere(tmp_path, mo
     cores = [2]
     monkeypatch.setattr(host, "usable_cores", lambda: cores[0])
     root = str(tmp_path / "w")
-    assert reproduce_workers.automatic_jobs(root) == (2, "a CPU backend with 2 cores")
+
+    def auto(scale="small", where=root):
+        return reproduce_workers.automatic_jobs(where, scale)
+
+    assert auto() == (2, "a CPU backend with 2 cores")
+    assert auto("tiny")[0] == 2
     cores[0] = 16  # not measured beyond 2 jobs: compiles overlap, each process uses every core
-    assert reproduce_workers.automatic_jobs(root)[0] == 2
+    assert auto()[0] == 2
+    # paper-scale experiments are sized to fill a machine: two at once could run out of memory
+    assert auto("paper") == (1, "--scale=paper: each experiment may need the whole machine")
     cores[0] = 1
-    assert reproduce_workers.automatic_jobs(root) == (1, "a CPU backend with 1 core")
+    assert auto() == (1, "a CPU backend with 1 core")
     cores[0] = 2
-    assert reproduce_workers.automatic_jobs("gs://bucket/w") == (1, "a workdir that is not local")
+    assert auto(where="gs://bucket/w") == (1, "a workdir that is not local")
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert reproduce_workers.automatic_jobs(root) == (1, "a gpu backend: one device to share")
-    assert reproduce.resolve_jobs("3", root) == 3
+    assert auto() == (1, "a gpu backend: one device to share")
+    assert reproduce.resolve_jobs("3", root, "small") == 3
     assert not (tmp_path / "w").exists()
 
 

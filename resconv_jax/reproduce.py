@@ -353,13 +353,16 @@ def selected(only: tuple[str, ...] = ()) -> tuple[Experiment, ...]:
     return tuple(e for e in everything if not only or e.name in only)
 
 
-def resolve_jobs(jobs: int | str, root: str, scale: str) -> int:
-    """`jobs` as a number ("auto": `reproduce_workers.automatic_jobs`, said in one line)."""
+def resolve_jobs(jobs: int | str, root: str, scale: str, experiments: int) -> int:
+    """`jobs` as a number ("auto": `reproduce_workers.automatic_jobs`, at most `experiments`,
+    said in one line)."""
     if jobs != "auto":
         return int(jobs)
     from resconv_jax import reproduce_workers
 
     number, why = reproduce_workers.automatic_jobs(root, scale)
+    if number > experiments:
+        number, why = experiments, f"{experiments} experiment{'s' * (experiments > 1)} chosen"
     if number > 1:
         print(f"--jobs=auto: up to {number} experiments at a time ({why}), each in a worker "
               f"process with its output in {os.path.join(root, reproduce_workers.LOGS)}/; "
@@ -382,14 +385,15 @@ def reproduce(
     table into that file: `splice_readme`); the exit status. Holds `root`'s lock throughout:
     WorkdirBusy when another process holds it. `compilation_cache`: the workers' setting
     (`compile_cache.enable`) when `jobs` > 1."""
-    jobs = "auto" if jobs == "auto" else int(jobs)
-    if jobs != "auto" and jobs < 1:
-        raise ValueError(f"--jobs={jobs}: give 1 or more experiments at a time")
-    if jobs != "auto" and jobs > 1 and not wd.is_local(root):
-        raise ValueError(
-            f"--jobs={jobs}: the workers write their output to a local WORKDIR/logs/; "
-            f"run --workdir={root} with --jobs=1, or use a local --workdir"
-        )
+    if jobs != "auto":  # "auto" is resolved under the lock, to a number that passes these
+        jobs = int(jobs)
+        if jobs < 1:
+            raise ValueError(f"--jobs={jobs}: give 1 or more experiments at a time")
+        if jobs > 1 and not wd.is_local(root):
+            raise ValueError(
+                f"--jobs={jobs}: the workers write their output to a local WORKDIR/logs/; "
+                f"run --workdir={root} with --jobs=1, or use a local --workdir"
+            )
     chosen = selected(only)
     if readme and only:
         raise ValueError("--readme writes the whole claims table: run it without --only")
@@ -401,7 +405,7 @@ def reproduce(
     lock = wd.WorkdirLock(root)
     lock.acquire()  # another reproduce on this folder: WorkdirBusy, naming it
     try:
-        jobs = resolve_jobs(jobs, root, scale)
+        jobs = resolve_jobs(jobs, root, scale, len(chosen))
         return _reproduce_locked(root, scale, readme, chosen, jobs, compilation_cache)
     finally:
         lock.release()

@@ -203,7 +203,9 @@ def test_jobs_auto_is_two_on_a_cpu_with_two_cores_and_one_elsewhere(tmp_path, mo
     assert auto(where="gs://bucket/w") == (1, "a workdir that is not local")
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert auto() == (1, "a gpu backend: one device to share")
-    assert reproduce.resolve_jobs("3", root, "small") == 3
+    assert reproduce.resolve_jobs("3", root, "small", 9) == 3
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert reproduce.resolve_jobs("auto", root, "small", 1) == 1  # --only=one: in this process
     assert not (tmp_path / "w").exists()
 
 

@@ -9,8 +9,8 @@ import tempfile
 
 # LLVM's backend optimization off (-O0): the tests' programs are tiny and compiling them is most
 # of the suite's time (fast tier 162 s against 209 s, 2 cores, back to back). Programs that a
-# test compares are compiled alike; users' runs, `reproduce` (its test too) and the benchmarks
-# keep XLA's default. RESCONV_TEST_XLA_OPTIMIZE=1 runs the suite at the default.
+# test compares are compiled alike (the tests' subprocesses too); users' runs, `reproduce` and
+# the benchmarks keep XLA's default. RESCONV_TEST_XLA_OPTIMIZE=1 runs the suite at the default.
 FLAGS = [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]
 if not os.environ.get("RESCONV_TEST_XLA_OPTIMIZE"):
     FLAGS.append("--xla_backend_optimization_level=0")

@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 
+from launch import local
 from resconv_jax.experiments import (
     claims,
     classification,
@@ -200,8 +201,10 @@ def test_reproduce_tiny_writes_every_claim_and_knows_its_runs_finished(tmp_path)
 
     command = [sys.executable, "-m", "resconv_jax.reproduce", f"--workdir={tmp_path}",
                "--scale=tiny"]  # fmt: skip
-    env = os.environ | {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
-    env.pop("XLA_FLAGS", None)
+    # One CPU device as a user has, at the suite's XLA optimization level (conftest.py).
+    env = local.process_env(
+        1, os.environ | {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    )
     first = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert first.returncode == 0, first.stderr[-2000:]
     report = (tmp_path / "REPORT.md").read_text()

@@ -50,13 +50,13 @@ def stated_numbers(workdir: Path, figure: str) -> dict:
 
 def _run(config_file: str, root: Path) -> None:
     """Runs, resumes or reuses configs/CONFIG_FILE in ROOT/<its stem>, as `reproduce` does."""
-    from resconv_jax import reproduce
     from resconv_jax.experiments.record import Experiment, scale_variants
+    from resconv_jax.reproducing import outcomes
 
     name = Path(config_file).stem
     defaults = scale_variants("", "", "")  # the file's own defaults
     experiment = Experiment(name, f"configs/{config_file}", config_file, defaults)
-    outcome = reproduce.run_experiment(experiment, "paper", str(root), {})
+    outcome = outcomes.run_experiment(experiment, "paper", str(root), {})
     if outcome.status == "not run":
         raise SystemExit(f"error: {outcome.reason}")
 
@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     sys.path.insert(0, str(ROOT))
-    from resconv_jax.reproduce import code_version
+    from resconv_jax.reproducing.report import code_version
     from resconv_jax.runtime.workdir import json_safe
 
     root = Path(args.workdir)

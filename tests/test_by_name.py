@@ -164,7 +164,8 @@ EXPERIMENTS = (
 def test_a_new_claim_is_one_file_in_the_table(tmp_path, monkeypatch):
     """An experiment module with one record and its claim, added to the package's path: reproduce
     lists it after the others and its row comes from its folder."""
-    from resconv_jax.reproduce import Outcome, claims_table
+    from resconv_jax.reproducing.outcomes import Outcome
+    from resconv_jax.reproducing.report import claims_table
 
     folder = tmp_path / "more_experiments"
     folder.mkdir()

@@ -18,6 +18,9 @@ from resconv_jax.experiments import (
     descent,
     rank_collapse,
 )
+from resconv_jax.reproducing import report
+from resconv_jax.reproducing.outcomes import Outcome, run_experiment, unfinished_reason
+from resconv_jax.reproducing.report import claims_table
 from resconv_jax.runtime.workdir import write_csv
 
 
@@ -142,7 +145,6 @@ def test_sst2_ordering(tmp_path):
 def test_a_fallback_marks_the_claims_it_measured(tmp_path):
     """The claims table prefixes an experiment's label to its measured claims' notes, and a
     fallback's `substitute` to their verdicts; a claim not measured keeps its reason alone."""
-    from resconv_jax.reproduce import Outcome, claims_table
 
     sst2 = classification.EXPERIMENTS[0]
     (tmp_path / "sst2_random").mkdir()
@@ -161,7 +163,6 @@ def test_a_fallback_marks_the_claims_it_measured(tmp_path):
 
 def test_a_fallback_marks_an_undecided_claim_too(tmp_path):
     from resconv_jax.experiments.record import ClaimCheck, Experiment
-    from resconv_jax.reproduce import Outcome, claims_table
 
     def undecided(workdir):
         return claims.Claim("x″", "m", "t", "v", claims.UNDECIDED, "its note")
@@ -197,7 +198,7 @@ def check_the_sst2_random_run(folder):
 
 @pytest.mark.slow
 def test_reproduce_tiny_writes_every_claim_and_knows_its_runs_finished(tmp_path):
-    from resconv_jax import experiments, reproduce
+    from resconv_jax import experiments
 
     command = [sys.executable, "-m", "resconv_jax.reproduce", f"--workdir={tmp_path}",
                "--scale=tiny"]  # fmt: skip
@@ -223,10 +224,10 @@ def test_reproduce_tiny_writes_every_claim_and_knows_its_runs_finished(tmp_path)
         experiment = experiment.fallback or experiment  # no pretrained weights here
         workdir = str(tmp_path / experiment.name)
         config = experiment.load("tiny")
-        assert reproduce._unfinished_reason(config, workdir) is None, experiment.name
+        assert unfinished_reason(config, workdir) is None, experiment.name
     longer = experiments.experiment_list()[0].load("tiny")
     longer.train.num_steps = 60
-    assert reproduce._unfinished_reason(longer, str(tmp_path / "theory"))
+    assert unfinished_reason(longer, str(tmp_path / "theory"))
 
 
 @pytest.mark.slow
@@ -297,11 +298,9 @@ def _short_tiny(folder):
 
 @pytest.mark.slow
 def test_a_damaged_finished_run_is_resumed_not_reused(tmp_path):
-    from resconv_jax import reproduce
-
     experiment = _short_tiny(tmp_path)
-    assert reproduce.run_experiment(experiment, "paper", str(tmp_path), {}).status == "ran"
-    assert reproduce.run_experiment(experiment, "paper", str(tmp_path), {}).status == "reused"
+    assert run_experiment(experiment, "paper", str(tmp_path), {}).status == "ran"
+    assert run_experiment(experiment, "paper", str(tmp_path), {}).status == "reused"
     metrics, summary = tmp_path / "tiny" / "metrics.jsonl", tmp_path / "tiny" / "summary.json"
     good_metrics, good_summary = metrics.read_bytes(), summary.read_bytes()
     damages = {
@@ -312,11 +311,11 @@ def test_a_damaged_finished_run_is_resumed_not_reused(tmp_path):
     }
     for damage, apply in damages.items():
         apply()
-        outcome = reproduce.run_experiment(experiment, "paper", str(tmp_path), {})
+        outcome = run_experiment(experiment, "paper", str(tmp_path), {})
         assert outcome.status == "resumed", damage
         assert outcome.reason.startswith("not reusable: "), damage
         assert metrics.read_bytes() == good_metrics and summary.read_bytes() == good_summary
-    assert reproduce.run_experiment(experiment, "paper", str(tmp_path), {}).status == "reused"
+    assert run_experiment(experiment, "paper", str(tmp_path), {}).status == "reused"
 
 
 def test_a_second_reproduce_on_a_busy_folder_is_refused_at_once(tmp_path, capsys):
@@ -336,13 +335,11 @@ def test_a_second_reproduce_on_a_busy_folder_is_refused_at_once(tmp_path, capsys
 
 
 def test_the_readme_block_states_each_experiments_sizes(tmp_path):
-    from resconv_jax import reproduce
-
     readme = tmp_path / "README.md"
-    readme.write_text(f"intro\n{reproduce.README_START}\nstale\n{reproduce.README_END}\nrest\n")
-    reproduce.splice_readme(str(readme), "small", [])
+    readme.write_text(f"intro\n{report.README_START}\nstale\n{report.README_END}\nrest\n")
+    report.splice_readme(str(readme), "small", [])
     text = readme.read_text()
-    assert text.startswith("intro\n") and text.endswith(f"{reproduce.README_END}\nrest\n")
+    assert text.startswith("intro\n") and text.endswith(f"{report.README_END}\nrest\n")
     assert (
         "- `jena`: P=256 Jena windows of M=24 h, d=6, L=1; 15 runs (5 β × 3 seeds), 300 steps"
         in text
@@ -381,12 +378,11 @@ def test_only_runs_and_reports_just_the_named_experiment(tmp_path):
 def test_the_report_names_the_cpu_and_the_cores_this_process_may_use(monkeypatch):
     """The printed digits of a few claims depend on the CPU and on how many cores XLA:CPU splits
     its work over (README, claims section), so REPORT.md says both."""
-    from resconv_jax import reproduce
     from resconv_jax.runtime import host
 
     monkeypatch.setattr(host, "cpu_model", lambda: "Test CPU 9000")
     monkeypatch.setattr(host, "usable_cores", lambda: 1)
-    line = reproduce.machine()[0]
+    line = report.machine()[0]
     assert line.startswith("- machine: Test CPU 9000, 1 of ") and " CPU cores usable, " in line
     monkeypatch.undo()
     assert 1 <= host.usable_cores() <= os.cpu_count() and host.cpu_model()

@@ -16,9 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from resconv_jax import reproduce, reproduce_workers
+from resconv_jax import reproduce
 from resconv_jax.errors import Preempted
 from resconv_jax.experiments.record import Experiment, scale_variants
+from resconv_jax.reproducing import workers
+from resconv_jax.reproducing.outcomes import finished_before, run_experiment
 from resconv_jax.runtime import host, signals
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.py"
@@ -53,7 +55,7 @@ def when_training(root: Path, names: list[str], then, timeout: float = 120.0) ->
         deadline, pids = time.monotonic() + timeout, {}
         while time.monotonic() < deadline and len(pids) < len(names):
             for name in names:
-                log = reproduce_workers.log_path(str(root), name)
+                log = workers.log_path(str(root), name)
                 text = log.read_text() if log.exists() else ""
                 if "steps/s" in text:
                     pids[name] = int(re.search(r"pid (\d+)", text).group(1))
@@ -66,7 +68,7 @@ def when_training(root: Path, names: list[str], then, timeout: float = 120.0) ->
 
 
 def run_all(chosen, root: Path, jobs: int = 2):
-    return reproduce_workers.run_all(tuple(chosen), "paper", str(root), {}, jobs, "", lambda o: 0)
+    return workers.run_all(tuple(chosen), "paper", str(root), {}, jobs, "", lambda o: 0)
 
 
 @pytest.mark.slow
@@ -74,12 +76,12 @@ def test_two_workers_write_the_same_files_as_one_process(tmp_path):
     chosen = [experiment(tmp_path, name, **{"train.num_steps": 20}) for name in ("a", "b")]
     alone, together = tmp_path / "alone", tmp_path / "together"
     for e in chosen:
-        assert reproduce.run_experiment(e, "paper", str(alone), {}).status == "ran"
+        assert run_experiment(e, "paper", str(alone), {}).status == "ran"
     outcomes = run_all(chosen, together)
     assert [(o.experiment.name, o.status) for o in outcomes] == [("a", "ran"), ("b", "ran")]
     expected = outputs(alone)
     assert len(expected) >= 4 and outputs(together) == expected
-    log = reproduce_workers.log_path(str(together), "a").read_text()
+    log = workers.log_path(str(together), "a").read_text()
     assert "a: ran" in log and "step 20/20" in log
     # A finished experiment is reused by a worker as by one process.
     assert [o.status for o in run_all(chosen, together)] == ["reused", "reused"]
@@ -98,7 +100,7 @@ def test_a_sigterm_stops_every_worker_at_a_safe_point(tmp_path):
         signals.acknowledge()
         signals.restore(previous)
     for name in ("a", "b"):
-        log = reproduce_workers.log_path(str(tmp_path), name).read_text()
+        log = workers.log_path(str(tmp_path), name).read_text()
         assert re.search(r"preempted at step \d+: checkpoint saved", log), log[-2000:]
         assert any((tmp_path / name / "checkpoints").iterdir())
     assert not (tmp_path / "c").exists()  # not started after the SIGTERM
@@ -126,17 +128,16 @@ def test_finished_experiments_are_reused_without_starting_a_worker(tmp_path, mon
     chosen = tuple(experiment(tmp_path, name, **{"train.num_steps": 10}) for name in "abc")
     root = str(tmp_path / "w")
     for done in chosen[:2]:
-        assert reproduce.run_experiment(done, "paper", root, {}).status == "ran"
+        assert run_experiment(done, "paper", root, {}).status == "ran"
     handed, preallocate = [], set()
-    monkeypatch.setattr(reproduce_workers, "run_all", lambda rest, *_: handed.append(rest))
+    monkeypatch.setattr(workers, "run_all", lambda rest, *_: handed.append(rest))
     monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
-    check = reproduce._finished_before
 
     def checked(*args):  # reading a finished folder starts JAX: on a GPU, not preallocating
         preallocate.add(os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE"))
-        return check(*args)
+        return finished_before(*args)
 
-    monkeypatch.setattr(reproduce, "_finished_before", checked)
+    monkeypatch.setattr(reproduce, "finished_before", checked)
     assert reproduce._reproduce_locked(root, "paper", None, chosen, jobs=2) == 0
     assert handed == [] and preallocate == {"false"}
     report = (tmp_path / "w" / "REPORT.md").read_text()
@@ -146,9 +147,9 @@ def test_finished_experiments_are_reused_without_starting_a_worker(tmp_path, mon
     # fallback's is finished; not when its own folder holds some other run.
     pretrained = experiment(tmp_path, "p", **{"train.num_steps": 20})
     pretrained = dataclasses.replace(pretrained, fallback=chosen[0])
-    assert reproduce._finished_before(pretrained, "paper", root)
+    assert finished_before(pretrained, "paper", root)
     shutil.copytree(tmp_path / "w" / "a", tmp_path / "w" / "p")
-    assert not reproduce._finished_before(pretrained, "paper", root)
+    assert not finished_before(pretrained, "paper", root)
 
 
 def test_the_longest_experiment_starts_first_by_its_recorded_time_else_its_hint():
@@ -157,7 +158,7 @@ def test_the_longest_experiment_starts_first_by_its_recorded_time_else_its_hint(
         return Experiment(name, name, "", {}, fallback=fallback, typical_seconds=seconds)
 
     def order(scale, times):
-        return [e.name for e in reproduce_workers.longest_first(chosen, scale, times)]
+        return [e.name for e in workers.longest_first(chosen, scale, times)]
 
     pretrained = record("pretrained", fallback=record("random_init", 90))
     chosen = (record("short", 5), record("unknown"), record("long", 200))
@@ -189,7 +190,7 @@ def test_jobs_auto_is_two_on_a_cpu_with_two_cores_and_one_elsewhere(tmp_path, mo
     root = str(tmp_path / "w")
 
     def auto(scale="small", where=root):
-        return reproduce_workers.automatic_jobs(where, scale)
+        return workers.automatic_jobs(where, scale)
 
     assert auto() == (2, "a CPU backend with 2 cores")
     assert auto("tiny")[0] == 2
@@ -235,7 +236,7 @@ def test_workers_whose_parent_is_killed_stop_at_a_safe_point(tmp_path):
         time.sleep(0.2)
     assert not any(alive(pid) for pid in pids.values()), "orphaned workers still running"
     for name in ("a", "b"):
-        log = reproduce_workers.log_path(str(tmp_path), name).read_text()
+        log = workers.log_path(str(tmp_path), name).read_text()
         assert re.search(r"preempted at step \d+: checkpoint saved", log), log[-2000:]
 
 

@@ -6,10 +6,11 @@ import types
 
 import pytest
 
-from resconv_jax import experiments, reproduce
+from resconv_jax import experiments
 from resconv_jax.analysis import stats
 from resconv_jax.experiments import results_cache
 from resconv_jax.experiments.claims import HOLDS, Claim
+from resconv_jax.reproducing import report
 from resconv_jax.runtime import workdir as wd
 
 
@@ -102,15 +103,15 @@ def test_a_claim_row_is_kept_per_folder_state_and_draw_counts(run_dir):
         calls.append(stats.current_counts()["DRAWS"])
         return Claim("c", "m", "t", value=str(len(calls)), verdict=HOLDS, note=str(workdir))
 
-    first = reproduce._checked(check_something, str(run_dir))
-    assert reproduce._checked(check_something, str(run_dir)) == first
+    first = report.checked(check_something, str(run_dir))
+    assert report.checked(check_something, str(run_dir)) == first
     assert len(calls) == 1
     with stats.counts(DRAWS=7):  # other draw counts: other statistics
-        assert reproduce._checked(check_something, str(run_dir)).value == "2"
+        assert report.checked(check_something, str(run_dir)).value == "2"
     (run_dir / "metrics.jsonl").write_text('{"step": 3}\n')
-    assert reproduce._checked(check_something, str(run_dir)).value == "3"
+    assert report.checked(check_something, str(run_dir)).value == "3"
     assert calls == [stats.DRAWS, 7, stats.DRAWS]
-    assert reproduce._checked(check_something, None).note == "None"  # not run: nothing kept
+    assert report.checked(check_something, None).note == "None"  # not run: nothing kept
 
 
 def test_the_code_digest_follows_the_versions_of_what_computes_the_reports(monkeypatch):

@@ -65,7 +65,7 @@ def _work(conn: Connection, scale: str, root: str, times: dict, cache: str) -> N
     is gone)."""
     from absl import logging
 
-    from resconv_jax import reproduce
+    from resconv_jax.reproducing.outcomes import run_experiment
     from resconv_jax.runtime import compile_cache, signals
 
     signals.install()
@@ -77,7 +77,7 @@ def _work(conn: Connection, scale: str, root: str, times: dict, cache: str) -> N
         print(f"# {time.strftime('%Y-%m-%d %H:%M:%S')}: reproduce --jobs worker, pid "
               f"{os.getpid()}", flush=True)  # fmt: skip
         try:
-            message = ("done", reproduce.run_experiment(experiment, scale, root, times))
+            message = ("done", run_experiment(experiment, scale, root, times))
         except Preempted as stop:
             print(stop, flush=True)
             message = ("preempted", str(stop))
@@ -208,7 +208,7 @@ def run_all(
     """Runs `chosen` (Experiments) `jobs` at a time; `on_outcome(outcome)` as each finishes;
     the Outcomes in `chosen`'s order. Raises Preempted after a SIGTERM (every busy worker
     stopped at a safe point), RuntimeError when a worker's experiment raised something else."""
-    from resconv_jax import reproduce
+    from resconv_jax.reproducing.outcomes import Outcome
     from resconv_jax.runtime import signals
 
     (Path(root) / LOGS).mkdir(parents=True, exist_ok=True)
@@ -259,7 +259,7 @@ def run_all(
                 else:  # the process ended without a word: killed, or out of memory
                     reason = (f"its worker process exited with status {value} (see "
                               f"{log_path(root, experiment.name)})")  # fmt: skip
-                    outcome = reproduce.Outcome(experiment, os.path.join(root, experiment.name),
+                    outcome = Outcome(experiment, os.path.join(root, experiment.name),
                                                 "not run", None, [], reason)  # fmt: skip
                     outcome.wall = time.perf_counter() - worker.started
                     outcomes[experiment.name] = outcome

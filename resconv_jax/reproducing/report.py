@@ -1,0 +1,192 @@
+"""What `reproduce` writes: REPORT.md (the claims table, each experiment's tables and figures,
+the wall times, the machine) and the claims table spliced into the README's marked block."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import platform
+import subprocess
+import time
+from importlib import metadata
+from pathlib import Path
+
+import jax
+
+from resconv_jax import experiments
+from resconv_jax.analysis import stats
+from resconv_jax.experiments import claims, results_cache
+from resconv_jax.experiments.claims import Claim
+from resconv_jax.experiments.record import Experiment
+from resconv_jax.reproducing.outcomes import Outcome
+from resconv_jax.runtime import host
+from resconv_jax.runtime import workdir as wd
+
+REPORT_FILE = "REPORT.md"
+
+
+def experiment_sizes(experiment: Experiment, scale: str) -> str:
+    """One line: the sizes `experiment` runs at `scale` (its task's `describe_sizes`)."""
+    config = experiment.load(scale)
+    return f"`{experiment.name}`: {experiments.task_module(config.task).describe_sizes(config)}"
+
+
+def sizes_block(scale: str, chosen: tuple[Experiment, ...] | None = None) -> str:
+    """The sizes of every experiment of `scale` (or of those `chosen`), one line each, for above
+    the claims table."""
+    lines = [f"Sizes at `--scale={scale}`:", ""]
+    for experiment in chosen or experiments.experiment_list():
+        lines.append(f"- {experiment_sizes(experiment, scale)}")
+        if experiment.fallback is not None:
+            substitute = experiment_sizes(experiment.fallback, scale)
+            lines.append(f"- {substitute} (when the pretrained weights are not found)")
+    return "\n".join(lines)
+
+
+def claims_table(outcomes: list[Outcome]) -> list[Claim]:
+    """The claims table: every claim of every experiment, read from its run directory (None when
+    it did not run), in the order of their ranks. A claim that was measured carries its
+    experiment's label in its note, and a fallback's `substitute` in its verdict."""
+    checks = sorted(
+        ((claim, outcome) for outcome in outcomes for claim in outcome.experiment.claims),
+        key=lambda pair: pair[0].rank,
+    )
+    rows = []
+    for claim, outcome in checks:
+        workdir = outcome.workdir if outcome.status != "not run" else None
+        try:
+            row = checked(claim.check, workdir)
+        except Exception as error:  # noqa: BLE001 - one unreadable file must not lose the report
+            note = f"could not be evaluated: {type(error).__name__}: {error}"
+            row = Claim(claim.check.__name__, "-", "-", note=note.splitlines()[0])
+        if row.verdict != claims.NOT_RUN:  # measured: holds, fails or undecided
+            note = "; ".join(text for text in (outcome.label, row.note) if text)
+            verdict = row.verdict + outcome.experiment.substitute
+            row = dataclasses.replace(row, note=note, verdict=verdict)
+        rows.append(row)
+    return rows
+
+
+def checked(check, workdir: str | None) -> Claim:
+    """check(workdir), or the row it gave before for the same files, code and draw counts
+    (`results_cache`)."""
+    if workdir is None or not wd.path(workdir).is_dir():
+        return check(workdir)
+    counts = ",".join(f"{name}={value}" for name, value in stats.current_counts().items())
+    name = f"claim:{check.__module__}.{check.__qualname__}:{counts}:{workdir}"
+    compute = functools.partial(check, workdir)
+    return results_cache.cached(workdir, name, compute, encode=dataclasses.asdict,
+                                decode=lambda row: Claim(**row))  # fmt: skip
+
+
+def code_version() -> str:
+    """The git commit of this checkout ('+ changes' when its tracked files differ), or
+    'unknown' outside a git checkout."""
+    repo = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=10, check=True)  # fmt: skip
+        dirty = subprocess.run(["git", "-C", str(repo), "diff", "--quiet", "HEAD"], timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head.stdout.strip() + (" + changes" if dirty.returncode else "")
+
+
+def machine() -> list[str]:
+    """Lines describing this machine and the versions of the main packages."""
+    devices = jax.devices()
+    packages = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "scipy")
+    versions = []
+    for name in packages:
+        try:
+            versions.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            versions.append(f"{name} (not installed)")
+    return [
+        f"- machine: {host.cpu_model()}, {host.usable_cores()} of {os.cpu_count()} CPU cores "
+        f"usable, {platform.platform()}, Python {platform.python_version()}",
+        f"- JAX devices: {len(devices)} × {devices[0].device_kind} ({devices[0].platform})",
+        "- versions: " + ", ".join(versions),
+    ]
+
+
+def format_report(
+    scale: str,
+    outcomes: list[Outcome],
+    table: list[Claim],
+    times: dict,
+    chosen: tuple[Experiment, ...] | None = None,
+    total: float = 0.0,
+    jobs: int = 1,
+) -> str:
+    """REPORT.md: the claims table, then one section per experiment (those `chosen`, or all),
+    then this invocation's wall times (`total`: the whole command's seconds; `jobs`
+    experiments at a time) and the machine."""
+    lines = [
+        "# resconv_jax: the paper's claims, checked",
+        "",
+        f"`python -m resconv_jax.reproduce --workdir=… --scale={scale}`, written "
+        f"{time.strftime('%Y-%m-%d %H:%M %Z')}. Claims, measures and thresholds: "
+        "docs/protocol.md (our protocol; the paper states none).",
+        "",
+        sizes_block(scale, chosen),
+        "",
+        claims.format_claims_table(table),
+        "",
+    ]
+    for o in outcomes:
+        wall = f"{o.seconds:.0f} s" if o.seconds is not None else "wall time not recorded"
+        code = times.get(o.experiment.name, {}).get("code", "unknown")
+        status = {
+            "ran": f"ran in {wall}, code {code}",
+            "reused": f"reused (finished before; {wall}, code {code})",
+            "resumed": f"{o.reason}: resumed and finished in {wall}, code {code}",
+        }.get(o.status, f"not run: {o.reason}")
+        lines += [f"## {o.experiment.title}", "", f"`{o.workdir}`, config `configs/"
+                  f"{o.experiment.config_arg(scale)}`; {status}.", ""]  # fmt: skip
+        for text in o.tables:
+            lines += ["```", text, "```", ""]
+        folder = wd.path(o.workdir)
+        if folder.exists():
+            root = folder.parent
+            for png in sorted(folder.glob("*.png")):
+                lines += [f"![{o.experiment.name}: {png.stem}]({png.relative_to(root)})", ""]
+    lines += ["## Wall times", "", *wall_times(outcomes, total, jobs), ""]
+    lines += ["## Machine", "", *machine(), ""]
+    return "\n".join(lines)
+
+
+def wall_times(outcomes: list[Outcome], total: float, jobs: int = 1) -> list[str]:
+    """This invocation's seconds per experiment and in all, as a Markdown table."""
+    rows = []
+    if jobs > 1:
+        rows = [f"{jobs} experiments at a time (`--jobs`): their times overlap.", ""]
+    rows += ["| experiment | status | seconds |", "|---|---|---|"]
+    rows += [f"| {o.experiment.name} | {o.status} | {o.wall:.1f} |" for o in outcomes]
+    return rows + [f"| all, from the first experiment to the claims table | | {total:.1f} |"]
+
+
+README_START, README_END = "<!-- claims table: start -->", "<!-- claims table: end -->"
+
+
+def splice_readme(readme: str, scale: str, table: list[Claim] | None) -> None:
+    """Replaces the claims table between README_START and README_END in the file `readme` with
+    `table` (the README's table is generated, never typed); `table` None only checks the file.
+    ValueError when the file or its markers are missing."""
+    try:
+        text = Path(readme).read_text()
+    except OSError as error:
+        raise ValueError(f"--readme={readme}: cannot read it ({error.strerror})") from None
+    start, end = text.find(README_START), text.find(README_END)
+    if start < 0 or end < start:
+        raise ValueError(f"--readme={readme}: no '{README_START}' … '{README_END}' block")
+    if table is None:
+        return
+    body = (
+        f"{README_START}\n<!-- generated by python -m resconv_jax.reproduce --scale={scale} "
+        f"--readme; do not edit -->\n{sizes_block(scale)}\n\n"
+        f"{claims.format_claims_table(table)}\n"
+    )
+    with wd.atomic_open(readme) as f:
+        f.write(text[:start] + body + text[end:])

@@ -104,7 +104,7 @@ def reproduce(
 ) -> int:
     """Runs every experiment of `scale` (or those named in `only`) in `root`, `jobs` at a time
     (a number, or "auto": `resolve_jobs`), and writes REPORT.md (and, given `readme`, its claims
-    table into that file: `splice_readme`); the exit status. Holds `root`'s lock throughout:
+    table into that file: `report.splice_readme`); the exit status. Holds `root`'s lock throughout:
     WorkdirBusy when another process holds it. `compilation_cache`: the workers' setting
     (`compile_cache.enable`) when `jobs` > 1."""
     if jobs != "auto":  # "auto" is resolved under the lock, to a number that passes these

@@ -191,7 +191,7 @@ def test_a_killed_process_stops_the_other_with_one_line_and_a_rerun_resumes(tmp_
     workdir = tmp_path / "killed"
     port = local.free_port()
     processes = [coordinated(args, workdir, port, index) for index in range(2)]
-    wait_for_lines(workdir, 3 * 12, processes[0])  # step 55: one checkpoint or two behind
+    wait_for_lines(workdir, 3 * 12, processes[0])  # step 55: checkpoint 50 done or being written
     processes[1].kill()
     killed_at = time.monotonic()
     _, err = processes[0].communicate(timeout=60)

@@ -145,7 +145,6 @@ def test_sst2_ordering(tmp_path):
 def test_a_fallback_marks_the_claims_it_measured(tmp_path):
     """The claims table prefixes an experiment's label to its measured claims' notes, and a
     fallback's `substitute` to their verdicts; a claim not measured keeps its reason alone."""
-
     sst2 = classification.EXPERIMENTS[0]
     (tmp_path / "sst2_random").mkdir()
     errors = {(2, 0.0): 0.3, (6, 0.0): 0.35, (2, 1.0): 0.2, (6, 1.0): 0.1}
@@ -208,13 +207,13 @@ def test_reproduce_tiny_writes_every_claim_and_knows_its_runs_finished(tmp_path)
     )
     first = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert first.returncode == 0, first.stderr[-2000:]
-    report = (tmp_path / "REPORT.md").read_text()
+    written = (tmp_path / "REPORT.md").read_text()
     for claim in ("1. linear", "2. rate", "3. residual", "certificate (smooth", "4. multi-layer",
                   "4b. multi-layer", "5a. Jena", "5b. SST-2"):  # fmt: skip
-        assert f"| {claim}" in report, claim
-    assert "random-init GPT-2, not the pretrained model (GPT-2 weights" in report
-    assert "## Machine" in report and "jax " in report
-    assert "| theory | ran |" in report and "| sst2_random | ran |" in report  # wall times
+        assert f"| {claim}" in written, claim
+    assert "random-init GPT-2, not the pretrained model (GPT-2 weights" in written
+    assert "## Machine" in written and "jax " in written
+    assert "| theory | ran |" in written and "| sst2_random | ran |" in written  # wall times
     assert "s from the first experiment to the claims table (theory " in first.stdout
     assert first.stdout.startswith("--jobs=auto: ")  # the default: 2 at a time on 2 CPU cores
     check_the_sst2_random_run(tmp_path / "sst2_random")
@@ -368,10 +367,10 @@ def test_only_runs_and_reports_just_the_named_experiment(tmp_path):
 
     # --jobs=2 with one experiment: it runs in this process, and the report says nothing of jobs
     assert reproduce.reproduce(str(tmp_path), "tiny", only=("rank_collapse",), jobs=2) == 0
-    report = (tmp_path / "REPORT.md").read_text()
-    assert "at a time" not in report
-    assert "| 3. residual" in report and "| 3″. residual" in report
-    assert "| 1. linear" not in report and "`theory`" not in report
+    written = (tmp_path / "REPORT.md").read_text()
+    assert "at a time" not in written
+    assert "| 3. residual" in written and "| 3″. residual" in written
+    assert "| 1. linear" not in written and "`theory`" not in written
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["rank_collapse"]
 
 

@@ -1,7 +1,7 @@
 """One experiment of `reproduce`: run, resumed, reused or replaced by its fallback.
 
 `run_experiment` is what `reproduce` does per experiment, in its own process (`--jobs=1`) or in a
-worker (`workers`): it reuses a finished, intact run (`finished_before`: the checks a resume
+worker (`workers`): it reuses a finished, intact run (`unfinished_reason`: the checks a resume
 makes), resumes a damaged or interrupted one, runs a new one, and turns an error that stops it
 into a "not run" `Outcome`.
 """

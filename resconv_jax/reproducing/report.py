@@ -1,5 +1,7 @@
 """What `reproduce` writes: REPORT.md (the claims table, each experiment's tables and figures,
-the wall times, the machine) and the claims table spliced into the README's marked block."""
+the wall times, the machine) and the claims table spliced into the README's marked block; with
+the claim rows (`checked`: kept in each run folder's results cache) and the commit the times are
+recorded under (`code_version`)."""
 
 from __future__ import annotations
 
@@ -83,7 +85,7 @@ def checked(check, workdir: str | None) -> Claim:
 def code_version() -> str:
     """The git commit of this checkout ('+ changes' when its tracked files differ), or
     'unknown' outside a git checkout."""
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     try:
         head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
                               capture_output=True, text=True, timeout=10, check=True)  # fmt: skip

@@ -260,7 +260,7 @@ def run_all(
                     reason = (f"its worker process exited with status {value} (see "
                               f"{log_path(root, experiment.name)})")  # fmt: skip
                     outcome = Outcome(experiment, os.path.join(root, experiment.name),
-                                                "not run", None, [], reason)  # fmt: skip
+                                      "not run", None, [], reason)  # fmt: skip
                     outcome.wall = time.perf_counter() - worker.started
                     outcomes[experiment.name] = outcome
                     print(f"   {experiment.name}: not run: {reason}", flush=True)

@@ -129,7 +129,7 @@ def plot_descent(history: list[dict], rows: list[dict], path) -> None:
     seeds = sorted({r["seed"] for r in rows})
     colors = dict(zip(betas, plt.cm.viridis(np.linspace(0, 0.9, len(betas))), strict=True))
     styles = dict(zip(seeds, ["-", "--", ":", "-."] * (len(seeds) // 4 + 1), strict=False))
-    fig, (ax_curve, ax_steps) = plt.subplots(1, 2, figsize=(11, 4.4), dpi=DPI)
+    fig, (ax_curve, ax_steps) = plt.subplots(1, 2, figsize=(12, 4.4), dpi=DPI)
     for row in rows:
         losses = early_losses(history, row["run"])
         label = f"β={row['beta_attn']:g}" if row["seed"] == seeds[0] else None
@@ -138,7 +138,9 @@ def plot_descent(history: list[dict], rows: list[dict], path) -> None:
         )
     for f in FRACTIONS:
         ax_curve.axhline(f, color="0.4", linewidth=0.8, linestyle=(0, (2, 2)))
-        ax_curve.annotate(f"{f:g}·L_0", (0, f), fontsize=7, va="bottom")
+        # In the right margin, beside the line: inside the axes the curves cross the label.
+        ax_curve.annotate(f"{f:g}·L_0", (1.01, f), xycoords=("axes fraction", "data"),
+                          fontsize=7, va="center", annotation_clip=False)  # fmt: skip
     style_note = ", ".join(f"{styles[s]} seed {s}" for s in seeds)
     if len(seeds) > 4:  # the styles repeat: name the cycle, not every seed (the title must fit)
         style_note = f"-, --, :, -. cycling over {len(seeds)} seeds {seeds[0]}–{seeds[-1]}"
@@ -147,7 +149,7 @@ def plot_descent(history: list[dict], rows: list[dict], path) -> None:
         ylabel="L_t / L_0 (each run relative to its own start)",
         title=f"Early descent per run (line style: {style_note})",
     )
-    ax_curve.legend(fontsize=8)
+    ax_curve.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=len(betas))
     key = f"steps_to_{HEADLINE:g}"
     markers = dict(zip(seeds, "osd^v<>" * (len(seeds) // 7 + 1), strict=False))
     for seed in seeds:
@@ -161,7 +163,9 @@ def plot_descent(history: list[dict], rows: list[dict], path) -> None:
             ax_steps.plot(*zip(*never, strict=True), marker=markers[seed], ls="none", **hollow)
     window = max(r["window_steps"] for r in rows)
     ax_steps.axhline(window, color="0.6", linewidth=0.8, linestyle=":")
-    ax_steps.annotate(f"not reached in {window} steps (open markers)", (0, window),
+    ax_steps.set_ylim(top=window * 1.12)  # room for the label, above the open markers
+    ax_steps.annotate(f"not reached in {window} steps (open markers)", (0.01, window),
+                      xycoords=("axes fraction", "data"), xytext=(0, 6), textcoords="offset points",
                       fontsize=7, va="bottom")  # fmt: skip
     o = ordering(rows)
     ax_steps.set(
@@ -169,7 +173,7 @@ def plot_descent(history: list[dict], rows: list[dict], path) -> None:
         ylabel=f"steps until L_t ≤ {HEADLINE:g}·L_0",
         title=f"Kendall τ(β, steps) = {o['tau']:+.2f} (p = {o['p_value']:.2g})",
     )
-    ax_steps.legend(fontsize=8)
+    ax_steps.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # up to 10 seeds
     fig.tight_layout()
     save_figure(fig, path)
 

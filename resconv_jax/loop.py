@@ -118,7 +118,9 @@ def run_loop(
                     f"preempted at step {step}: checkpoint saved in {checkpointer.directory}; "
                     "rerun the same command to resume"
                 )
-            num = min(train.log_every, total - step)
+            # To the next multiple of log_every: a run that ended off the grid (num_steps not a
+            # multiple) and was extended goes back on it, where checkpoints and probes fall.
+            num = min(train.log_every - step % train.log_every, total - step)
             chunk_start = time.perf_counter()
             evaluated = _evaluate(program, state["params"])
             params_at_step = state["params"]
@@ -157,10 +159,12 @@ def run_loop(
                 writer.scalars(step, {"steps_per_sec": rate, "flops_per_sec": rate * program.flops})
                 last_print, last_print_step = now, step
         if not writer.history or writer.history[-1]["step"] < total:
-            final = {
-                "loss": to_host(program.evaluate(state["params"], program.hp, program.x, program.y))
-            }
-            final |= _evaluate(program, state["params"])
+            # (1, R): the loss after the last update, which no chunk has checked.
+            params = state["params"]
+            last = to_host(program.evaluate(params, program.hp, program.x, program.y))[None]
+            if diverging_runs(last).size:
+                raise TrainingDiverged(_diverged(train, program, checkpointer, writer, total, last))
+            final = {"loss": last[0]} | _evaluate(program, params)
             writer.write(
                 total, [s | {k: v[r] for k, v in final.items()} for r, s in enumerate(settings)]
             )

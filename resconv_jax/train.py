@@ -33,7 +33,7 @@ from resconv_jax.analysis.summary import fit_floor, run_summaries
 from resconv_jax.config_defaults import base_config
 from resconv_jax.data import data_module, load_dataset
 from resconv_jax.errors import ConfigError, Preempted, TrainingDiverged
-from resconv_jax.finished import RUNS_FILE, SUMMARY_FILE, refuse_fewer_steps
+from resconv_jax.finished import RUNS_FILE, SUMMARY_FILE, checkpoint_steps, refuse_fewer_steps
 from resconv_jax.loop import LoopSettings, Program, run_loop
 from resconv_jax.models import Model, RunSettings, build_model, model_module
 from resconv_jax.runners import ChunkRunners, check_runs_per_chunk, compile_chunks
@@ -106,27 +106,42 @@ def _stop_before_training(what: str) -> None:
         )
 
 
-def _saved_config(workdir: epath.Path, checkpointer: Checkpointer) -> tuple[dict | None, str]:
+def _saved_config(workdir: epath.Path) -> tuple[dict | None, str]:
     """The config the workdir's run started with: config.json, else the newest checkpoint's copy.
 
     Raises ConfigError if checkpoints exist but none of them (and no config.json) says which
-    config they belong to.
+    config they belong to. Creates nothing.
     """
     saved = read_saved_config(workdir)
     if saved is not None:
         return saved, CONFIG_FILE
-    steps = checkpointer.steps()
-    for step in reversed(steps):
-        meta = checkpointer.read_meta(step) or {}
-        if isinstance(meta.get("config"), dict):
-            return meta["config"], f"the checkpoint of step {step} ({CONFIG_FILE} is missing)"
-    if steps:
-        raise ConfigError(
-            f"{workdir / CONFIG_FILE} is missing and no checkpoint in "
-            f"{checkpointer.directory} holds a copy of the config: cannot check that this config "
-            "is the run's; restore config.json, or use a new --workdir"
-        )
-    return None, ""
+    if not checkpoint_steps(workdir):
+        return None, ""
+    checkpointer = Checkpointer(workdir, every=1, keep=1, use_async=False)  # reads only
+    try:
+        steps = checkpointer.steps()
+        for step in reversed(steps):
+            meta = checkpointer.read_meta(step) or {}
+            if isinstance(meta.get("config"), dict):
+                return meta["config"], f"the checkpoint of step {step} ({CONFIG_FILE} is missing)"
+    finally:
+        checkpointer.close()
+    raise ConfigError(
+        f"{workdir / CONFIG_FILE} is missing and no checkpoint in {checkpointer.directory} holds "
+        "a copy of the config: cannot check that this config is the run's; restore config.json, "
+        "or use a new --workdir"
+    )
+
+
+def _check_resumable(config, workdir: epath.Path) -> dict:
+    """`config` as JSON, once checked against the run that `workdir` holds, if any: ConfigError
+    for another config or a run past train.num_steps. Writes nothing."""
+    config_json = json.loads(config.to_json_best_effort())
+    saved, where = _saved_config(workdir)
+    if saved is not None:
+        check_same_run(workdir, saved, config_json, where, _defaults_json())
+    refuse_fewer_steps(config, [workdir])
+    return config_json
 
 
 def _lock_on_process_0(workdir: str, lock: WorkdirLock) -> None:
@@ -333,11 +348,9 @@ def _run_groups(config, workdir: epath.Path, dataset, groups) -> list[dict]:
     """A sweep over depths or widths: each shape's runs are one program, trained in
     WORKDIR/layers_<L> or dim_<d> (`group_folder`: checkpoints, metrics, summary; resumable on
     its own), one after another; WORKDIR gets the merged metrics.jsonl and summary.json."""
-    config_json = json.loads(config.to_json_best_effort())
-    saved = read_saved_config(workdir)
-    if saved is not None:
-        check_same_run(workdir, saved, config_json, CONFIG_FILE, _defaults_json())
-    refuse_fewer_steps(config, [workdir / group_folder(shape) for shape, _ in groups])
+    config_json = _check_resumable(config, workdir)
+    for shape, _ in groups:  # every shape's folder too, before anything is written
+        _check_resumable(group_config(config, shape), workdir / group_folder(shape))
     if jax.process_index() == 0:
         write_json(workdir / CONFIG_FILE, config_json)
         write_json(workdir / RUNS_FILE, [run.settings() for _, runs in groups for run in runs])
@@ -403,6 +416,7 @@ def build_program(config, dataset=None, runs=None) -> Program:
 def _run_locked(config, workdir: epath.Path, dataset, runs) -> list[dict]:
     """`run` once the workdir is locked, for `runs` of one shape: checks, restore, the step loop,
     the summary."""
+    config_json = _check_resumable(config, workdir)
     parts = _parts(config, dataset, runs)
     dataset = parts.dataset
     train = config.train
@@ -413,11 +427,6 @@ def _run_locked(config, workdir: epath.Path, dataset, runs) -> list[dict]:
         use_async=train.async_checkpoints,
     )
     try:
-        config_json = json.loads(config.to_json_best_effort())
-        saved, where = _saved_config(workdir, checkpointer)
-        if saved is not None:
-            check_same_run(workdir, saved, config_json, where, _defaults_json())
-        refuse_fewer_steps(config, [workdir])
         program = _build(config, parts, runs)
         _stop_before_training("compiling")
         if jax.process_index() == 0:

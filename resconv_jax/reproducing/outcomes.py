@@ -56,13 +56,17 @@ def _x64(config):
 def finished_before(experiment: Experiment, scale: str, root: str) -> bool:
     """Whether `root` holds `experiment`'s finished, intact result at `scale` (its own, or, when
     its own folder holds no run, its fallback's: `run_experiment` then reuses that one unless
-    the pretrained weights are found now, and runs the experiment itself)."""
+    the pretrained weights are found now, and runs the experiment itself). A folder that cannot
+    be read (an unreadable config.json) is not finished: `run_experiment` says why."""
     for candidate in (experiment, experiment.fallback):
         if candidate is None:
             return False
         config = candidate.load(scale)
-        with _x64(config):
-            problem = unfinished_reason(config, os.path.join(root, candidate.name))
+        try:
+            with _x64(config):
+                problem = unfinished_reason(config, os.path.join(root, candidate.name))
+        except ValueError:  # ConfigError: `run_experiment` meets it again and reports it
+            return False
         if problem != "":
             return problem is None
     return False

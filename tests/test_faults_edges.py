@@ -1,0 +1,111 @@
+"""Edges of resuming and refusing: a run extended after it ended off the log grid, a loss that
+turns non-finite at the very last step, a refused sweep whose workdir must stay untouched, and a
+damaged folder met by `reproduce --jobs`. Each either continues exactly or refuses in one line."""
+
+import json
+import os
+
+import pytest
+
+from resconv_jax import finished, train
+from resconv_jax.config_defaults import load_config_file
+from resconv_jax.errors import ConfigError, TrainingDiverged
+from resconv_jax.experiments import experiment_list
+from resconv_jax.reproducing.outcomes import finished_before
+from resconv_jax.runtime.checkpoint import Checkpointer
+from resconv_jax.runtime.metrics import METRICS_FILE
+from resconv_jax.runtime.workdir import CONFIG_FILE
+
+TINY = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.py")
+
+
+def tiny(**overrides):
+    settings = {"train.checkpoint_every": 10, "train.print_every": 10,
+                "train.async_checkpoints": False, "sweep.beta": (0.0, 1.0)}  # fmt: skip
+    return load_config_file(TINY, **(settings | overrides))
+
+
+def metrics_lines(workdir) -> list[str]:
+    with open(os.path.join(workdir, METRICS_FILE)) as f:
+        return f.readlines()
+
+
+def checkpoint_steps(workdir) -> list[int]:
+    checkpointer = Checkpointer(workdir, every=1, keep=100, use_async=False)
+    try:
+        return checkpointer.steps()
+    finally:
+        checkpointer.close()
+
+
+def test_a_run_extended_after_an_off_grid_end_goes_back_on_the_log_grid(tmp_path):
+    """42 steps (log_every=5), then the same run to 60: the chunks after 42 end on multiples of
+    5 again, so the checkpoint at 50 is written and every line from 45 on is the uninterrupted
+    run's, bit for bit."""
+    straight, extended = str(tmp_path / "straight"), str(tmp_path / "extended")
+    train.run(tiny(**{"train.num_steps": 60, "train.keep_checkpoints": 10}), straight)
+    train.run(tiny(**{"train.num_steps": 42, "train.keep_checkpoints": 10}), extended)
+    train.run(tiny(**{"train.num_steps": 60, "train.keep_checkpoints": 10}), extended)
+    steps = [json.loads(line)["step"] for line in metrics_lines(extended)]
+    assert steps[-10:] == [42, 42, 45, 45, 50, 50, 55, 55, 60, 60]
+    assert 50 in checkpoint_steps(extended)
+    on_grid = [line for line in metrics_lines(straight) if json.loads(line)["step"] >= 45]
+    assert metrics_lines(extended)[-len(on_grid) :] == on_grid
+
+
+DIVERGES_AT_THE_END = {"optim.lr": 0.1, "train.num_steps": 3, "train.log_every": 1,
+                       "train.print_every": 3, "train.checkpoint_every": 3,
+                       "sweep.beta": (1.0,)}  # fmt: skip
+
+
+def test_a_loss_non_finite_at_the_last_step_is_a_divergence_every_time(tmp_path):
+    """lr=0.1 at β=1: the losses before steps 1-3 are finite, the loss after the last update is
+    not. The run stops with its one line, and so does each rerun; the folder is unfinished."""
+    config, workdir = tiny(**DIVERGES_AT_THE_END), str(tmp_path / "w")
+    for _ in range(2):
+        with pytest.raises(TrainingDiverged) as error:
+            train.run(config, workdir)
+        assert "\n" not in str(error.value) and "diverged" in str(error.value)
+    assert finished.why_unfinished(config, workdir)
+
+
+def files(workdir) -> dict[str, bytes]:
+    """The bytes of every file in `workdir` (not its subfolders), the lock's record aside."""
+    names = [n for n in os.listdir(workdir) if os.path.isfile(os.path.join(workdir, n))]
+    return {n: open(os.path.join(workdir, n), "rb").read() for n in names if n != ".lock"}
+
+
+SWEEP = {"train.num_steps": 10, "sweep.num_layers": (1, 2), "optim.lr": 0.001}
+
+
+def test_a_refused_depth_sweep_writes_nothing_and_the_run_goes_on(tmp_path):
+    """config.json of a depth sweep lost, then a command with another lr: refused by the first
+    depth's own copy, with the workdir as it was; the original command still finishes."""
+    workdir = str(tmp_path / "w")
+    train.run(tiny(**SWEEP), workdir)
+    os.remove(os.path.join(workdir, CONFIG_FILE))
+    before = files(workdir)
+    with pytest.raises(ConfigError, match="optim.lr"):
+        train.run(tiny(**(SWEEP | {"optim.lr": 0.002})), workdir)
+    assert files(workdir) == before
+    train.run(tiny(**SWEEP), workdir)
+    assert finished.why_unfinished(tiny(**SWEEP), workdir) is None
+
+
+def test_a_refused_start_adds_no_checkpoints_folder(tmp_path):
+    """A single run pointed at a depth sweep's folder: refused before anything is created."""
+    workdir = str(tmp_path / "w")
+    train.run(tiny(**SWEEP), workdir)
+    with pytest.raises(ConfigError):
+        train.run(tiny(**{"train.num_steps": 10}), workdir)
+    assert not os.path.exists(os.path.join(workdir, "checkpoints"))
+
+
+def test_a_corrupt_config_json_is_not_finished_under_jobs(tmp_path):
+    """`reproduce --jobs` asks every experiment whether it finished before starting workers:
+    an unreadable config.json is "not finished" there (the run then says why, in one line),
+    not an error that stops the whole command."""
+    theory = next(e for e in experiment_list() if e.name == "theory")
+    os.makedirs(tmp_path / "theory")
+    (tmp_path / "theory" / CONFIG_FILE).write_text('{"model": ')
+    assert finished_before(theory, "tiny", str(tmp_path)) is False

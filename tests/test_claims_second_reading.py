@@ -71,6 +71,14 @@ def test_5a_second_reading_fails_when_larger_beta_is_slower(tmp_path):
     assert "10,000 draws" in row.value  # 120^10 permutations: drawn, and it says so
 
 
+def test_5a_second_reading_when_no_run_reached_the_level_says_so_as_5a_does(tmp_path):
+    start = np.random.default_rng(4).uniform(1, 2, (5, 3))
+    folder = _descent_dir(tmp_path / "a", lambda b, s: np.nan, lambda b, s: start[int(4 * b), s])
+    assert descent.jena_descent(folder).note == "too few runs reached the level"
+    row = descent.jena_descent_fixed_start(folder)
+    assert row.note == "too few runs reached the level" and row.value == "-", row
+
+
 def _conditioning_dir(folder, speed_of):
     rng = np.random.default_rng(3)
     rows = []
@@ -186,6 +194,19 @@ def test_5b_second_reading_with_one_run_per_cell_is_undecided_and_says_what_it_n
     spread = np.sqrt((e0 * (1 - e0) + e1 * (1 - e1)) / 64)
     needed = max(5, int(np.ceil(((1.6448536 + 0.8416212) * spread / abs(d)) ** 2)))
     assert f"seeds per cell needed for power 0.8: {needed} (binomial spread over P = 64" in row.note
+
+
+def test_5b_second_reading_without_beta_0_at_both_depths_cannot_hold(tmp_path):
+    def error(L, b, s):  # as in the test where it holds, with no seed at β = 0 at both L = 2, 10
+        return 0.4 - 0.1 * b - (0.01 * L if b else -0.01 * L) + _wobble(L, b, s)
+
+    folder = _sst2_dir(tmp_path / "a", error, seeds=range(8))
+    rows = claims.read_csv(tmp_path / "a" / sst2_seeds.RUNS_FILE)
+    missing = {(2, s) for s in range(4)} | {(10, s) for s in range(4, 8)}
+    kept = [r for r in rows if r["beta"] or (r["num_layers"], r["seed"]) not in missing]
+    write_csv(tmp_path / "a" / sst2_seeds.RUNS_FILE, kept)
+    row = sst2_seeds.sst2_ordering_with_seeds(folder)
+    assert row.verdict == claims.UNDECIDED, row
 
 
 def test_the_sign_flip_test_is_exact_over_every_sign_pattern():

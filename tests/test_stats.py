@@ -20,6 +20,15 @@ def test_tau_b_with_ties_equals_scipy():
     np.testing.assert_allclose(st.pooled_tau(x, y), expected, atol=1e-12)
 
 
+def test_tau_b_of_a_constant_is_undefined_as_in_scipy_and_so_is_its_test():
+    x, y = np.array([[0.0, 0.5, 1.0, 0.0, 0.5, 1.0]]), np.full(6, 300.0)
+    assert math.isnan(stats.kendalltau(x[0], y).statistic)
+    assert math.isnan(st.pooled_tau(x, y)[0]) and math.isnan(st.pooled_tau(y[None], x[0])[0])
+    assert math.isnan(st.partial_tau(x[0], y, np.arange(6.0)))
+    test = st.permutation_test(st.pooled_tau, x[0], y, np.repeat([0, 1], 3), alternative="less")
+    assert math.isnan(test.observed) and math.isnan(test.p_value)  # not p = 0
+
+
 def test_average_ranks_equal_scipys_with_ties():
     values = np.random.default_rng(6).integers(0, 4, (30, 9)).astype(float)
     np.testing.assert_array_equal(st.average_ranks(values), stats.rankdata(values, axis=-1))

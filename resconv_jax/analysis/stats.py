@@ -45,13 +45,14 @@ def kendall(x, y) -> tuple[float, float]:
 
 
 def tau_b(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Kendall's τ-b of each row of x (K, n) against y (n,) (scipy's statistic, vectorized)."""
+    """Kendall's τ-b of each row of x (K, n) against y (n,) (scipy's statistic, vectorized;
+    NaN, as scipy's, for a row or a y that is constant)."""
     dx = np.sign(x[:, :, None] - x[:, None, :], dtype=np.float32)
     dy = np.sign(y[:, None] - y[None, :]).astype(np.float32)
     concordance = np.einsum("kij,ij->k", dx, dy, dtype=np.float64)  # every pair counted twice
-    pairs_x = np.count_nonzero(dx, axis=(1, 2))
-    pairs_y = np.count_nonzero(dy)
-    return concordance / np.sqrt(np.maximum(pairs_x * float(pairs_y), 1))
+    untied = np.count_nonzero(dx, axis=(1, 2)) * float(np.count_nonzero(dy))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(untied > 0, concordance / np.sqrt(untied), np.nan)
 
 
 def stratified_p_value(betas, steps, seeds, *, permutations: int = 5000) -> float:
@@ -153,6 +154,8 @@ def permutation_test(statistic, x, y, strata, *, alternative: str = "two-sided",
     x, y, strata = np.asarray(x, float), np.asarray(y, float), np.asarray(strata)
     observed = float(statistic(x[None], y, strata)[0])
     exact = permutation_count(strata) <= max_exact
+    if not math.isfinite(observed):
+        return PermutationTest(observed, math.nan, 0, exact, alternative)
     hits = count = 0
     tolerance = 1e-12 * max(1.0, abs(observed))
     for xs in _within_strata(x, strata, max_exact=max_exact, draws=draws, seed=seed):

@@ -141,13 +141,11 @@ def sst2_ordering_with_seeds(workdir, alpha: float = 0.05) -> Claim:
     }  # each d: e(L_max) − e(L_min) of one seed
     depth_test = sign_flip_test([p["d"] for p in deeper[1.0]]) if deeper[1.0] else None
     depth_interval = {beta: _interval(pairs) for beta, pairs in deeper.items()}
-    if depth_test is None:
-        verdicts.append(claims.UNDECIDED)
+    if depth_test is None or not all(map(math.isfinite, depth_interval[0.0])):
+        verdicts.append(claims.UNDECIDED)  # "depth helps only with the residual" needs β = 0
     else:
         depth_ok = (
-            depth_test.observed < 0
-            and depth_test.p_value < alpha
-            and not depth_interval[0.0][1] < 0
+            depth_test.observed < 0 and depth_test.p_value < alpha and depth_interval[0.0][1] >= 0
         )
         verdicts.append(claims.decided(depth_ok, depth_interval[1.0], 0.0, claimed="below"))
     seeds = len({r["seed"] for r in rows})

@@ -66,6 +66,11 @@ def verdict(ok: bool) -> str:
     return HOLDS if ok else FAILS
 
 
+def has_interval(interval: tuple[float, float]) -> bool:
+    """Whether `interval` (low, high) was computed: both ends finite (NaN: too few clusters)."""
+    return all(map(math.isfinite, interval))
+
+
 def decided(ok: bool, interval: tuple[float, float], threshold: float,
             power: float | None = None, *, claimed: str) -> str:  # fmt: skip
     """The second reading's verdict (docs/protocol.md): "undecided" when `interval` spans
@@ -73,7 +78,7 @@ def decided(ok: bool, interval: tuple[float, float], threshold: float,
     one ("below" or "above"); on the claimed side, "holds" when `ok` (the row's test) and the
     power at the observed effect is at least 0.8, else "undecided"."""
     low, high = interval
-    if not (math.isfinite(low) and math.isfinite(high)) or low <= threshold <= high:
+    if not has_interval(interval) or low <= threshold <= high:
         return UNDECIDED
     if (high < threshold) != (claimed == "below"):
         return FAILS

@@ -141,7 +141,7 @@ def sst2_ordering_with_seeds(workdir, alpha: float = 0.05) -> Claim:
     }  # each d: e(L_max) − e(L_min) of one seed
     depth_test = sign_flip_test([p["d"] for p in deeper[1.0]]) if deeper[1.0] else None
     depth_interval = {beta: _interval(pairs) for beta, pairs in deeper.items()}
-    if depth_test is None or not all(map(math.isfinite, depth_interval[0.0])):
+    if depth_test is None or not claims.has_interval(depth_interval[0.0]):
         verdicts.append(claims.UNDECIDED)  # "depth helps only with the residual" needs β = 0
     else:
         depth_ok = (
@@ -184,7 +184,7 @@ def sst2_ordering_with_seeds(workdir, alpha: float = 0.05) -> Claim:
 def _bounds(interval: tuple[float, float]) -> str:
     """' [low, high]', or '' when there is no interval (one seed)."""
     low, high = interval
-    return f" [{low:+.3f}, {high:+.3f}]" if math.isfinite(low) and math.isfinite(high) else ""
+    return f" [{low:+.3f}, {high:+.3f}]" if claims.has_interval(interval) else ""
 
 
 def _training_sentences(workdir) -> int | None:

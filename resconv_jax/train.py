@@ -50,6 +50,7 @@ from resconv_jax.runtime.metrics import (
 )
 from resconv_jax.runtime.workdir import (
     CONFIG_FILE,
+    LOCK_FILE,
     WorkdirBusy,
     WorkdirLock,
     WorkdirWriteError,
@@ -167,15 +168,18 @@ def _lock_on_process_0(workdir: str, lock: WorkdirLock) -> None:
 def _remove_new_workdir(workdir: epath.Path) -> None:
     """Deletes a workdir this process created if nothing was trained in it: no metrics line and
     no checkpoint anywhere (a depth sweep's layers_<L>/ included), so a refused start leaves no
-    trace."""
+    trace. Called with the lock held, so no other start can begin in the folder meanwhile.
+    Object storage: the lock object stays, for `WorkdirLock.release` to delete last."""
     for folder, subfolders, files in workdir.walk():
         if METRICS_FILE in files or (folder.name == "checkpoints" and subfolders):
             return
-    if wd.is_local(workdir):
+    if wd.is_local(workdir):  # the flock outlives the lock file's name
         shutil.rmtree(workdir, ignore_errors=True)
-    else:
-        with contextlib.suppress(Exception):  # best effort, as shutil's ignore_errors
-            workdir.rmtree()
+        return
+    with contextlib.suppress(Exception):  # best effort, as shutil's ignore_errors
+        for entry in workdir.iterdir():
+            if entry.name != LOCK_FILE:
+                entry.rmtree() if entry.is_dir() else entry.unlink()
 
 
 def run(config, workdir: str) -> list[dict]:
@@ -218,8 +222,7 @@ def run(config, workdir: str) -> list[dict]:
             return _run_groups(config, wd.path(workdir), dataset, groups)
         except (ValueError, Preempted):  # ConfigError, data or weights errors: nothing kept
             if created and jax.process_index() == 0:
-                lock.release()
-                _remove_new_workdir(wd.path(workdir))
+                _remove_new_workdir(wd.path(workdir))  # under the lock: no other start in between
             raise
         finally:
             lock.release()

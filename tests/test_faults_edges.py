@@ -9,12 +9,12 @@ import pytest
 
 from resconv_jax import finished, train
 from resconv_jax.config_defaults import load_config_file
-from resconv_jax.errors import ConfigError, TrainingDiverged
+from resconv_jax.errors import ConfigError, TrainingDiverged, WorkdirBusy
 from resconv_jax.experiments import experiment_list
 from resconv_jax.reproducing.outcomes import finished_before
 from resconv_jax.runtime.checkpoint import Checkpointer
 from resconv_jax.runtime.metrics import METRICS_FILE
-from resconv_jax.runtime.workdir import CONFIG_FILE
+from resconv_jax.runtime.workdir import CONFIG_FILE, WorkdirLock
 
 TINY = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.py")
 
@@ -109,3 +109,28 @@ def test_a_corrupt_config_json_is_not_finished_under_jobs(tmp_path):
     os.makedirs(tmp_path / "theory")
     (tmp_path / "theory" / CONFIG_FILE).write_text('{"model": ')
     assert finished_before(theory, "tiny", str(tmp_path)) is False
+
+
+def test_a_refused_new_workdir_is_removed_while_its_lock_is_still_held(tmp_path, monkeypatch):
+    """A start refused after it created and locked its workdir deletes that workdir before it
+    lets the lock go: a second start in between must find the workdir busy, never have its own
+    files deleted under it."""
+    workdir = str(tmp_path / "w")
+    seen = []
+
+    def refuse(*args):
+        raise ConfigError("refused after the lock")
+
+    def removing(path):
+        with pytest.raises(WorkdirBusy):
+            WorkdirLock(workdir).acquire()
+        seen.append(os.fspath(path))
+        remove_new_workdir(path)
+
+    remove_new_workdir = train._remove_new_workdir
+    monkeypatch.setattr(train, "_run_locked", refuse)
+    monkeypatch.setattr(train, "_remove_new_workdir", removing)
+    with pytest.raises(ConfigError, match="refused after the lock"):
+        train.run(tiny(**{"train.num_steps": 10}), workdir)
+    assert seen == [workdir]
+    assert not os.path.exists(workdir)

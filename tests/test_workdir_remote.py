@@ -268,3 +268,25 @@ def test_a_gcs_workdir_without_gcsfs_is_one_line_status_2():
     assert done.stderr.strip().splitlines() == [
         "error: --workdir=gs://b/r: cannot reach it (Please install gcsfs to access Google Storage)"
     ]
+
+
+def test_a_refused_new_gcs_workdir_is_emptied_before_its_lock_object_goes(gcs, monkeypatch):
+    """A start refused after it created and locked its gcs workdir deletes what it wrote while
+    the lock object still stands (another start is refused meanwhile), then the lock object."""
+    at_release = []
+
+    def refuse(*args):
+        gcs.put(BUCKET, "w/config.json", b"{}")
+        raise ConfigError("refused after the lock")
+
+    def release(self):
+        at_release.append(gcs.names(BUCKET, "w/"))
+        release_lock(self)
+
+    release_lock = WorkdirLock.release
+    monkeypatch.setattr(train, "_run_locked", refuse)
+    monkeypatch.setattr(WorkdirLock, "release", release)
+    with pytest.raises(ConfigError, match="refused after the lock"):
+        train.run(tiny(**{"train.num_steps": 10}), f"gs://{BUCKET}/w")
+    assert at_release[0] == ["w/.lock"]
+    assert gcs.names(BUCKET, "w/") == []

@@ -3,6 +3,7 @@
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -14,7 +15,7 @@ from flax import nnx
 
 from resconv_jax.analysis import probe
 from resconv_jax.config_defaults import load_config_file
-from resconv_jax.errors import ConfigError
+from resconv_jax.errors import ConfigError, WorkdirWriteError
 from resconv_jax.experiments import rank_collapse
 from resconv_jax.models import transformer
 
@@ -250,3 +251,31 @@ def test_command_line_bad_value_exits_2_with_one_line(tmp_path):
         "error: config.rank_collapse.d_qk_values: 0 must be positive"
     ]
     assert not workdir.exists()
+
+
+def test_a_rerun_that_fails_mid_write_leaves_a_folder_no_config_calls_finished(
+    tmp_path, monkeypatch
+):
+    """A finished folder rerun with other seeds whose plot cannot be written (a full disk): the
+    folder holds a mix, so neither config may reuse it (config.json is written last)."""
+    first, second = tiny(), tiny(**{"rank_collapse.seeds": (7, 8, 9)})
+    rank_collapse.spectra(first, str(tmp_path))
+    assert rank_collapse.why_unfinished(first, str(tmp_path)) is None
+
+    def full_disk(target, *args):
+        raise WorkdirWriteError(f"cannot write {target} (No space left on device)")
+
+    monkeypatch.setattr(rank_collapse, "plot", full_disk)
+    with pytest.raises(WorkdirWriteError):
+        rank_collapse.spectra(second, str(tmp_path))
+    assert rank_collapse.why_unfinished(second, str(tmp_path)) is not None
+    assert rank_collapse.why_unfinished(first, str(tmp_path)) is not None
+
+
+def test_a_folder_without_every_output_is_unfinished(tiny_run, tmp_path):
+    workdir, _ = tiny_run
+    for name in (rank_collapse.CSV_FILE, rank_collapse.SEEDS_CSV_FILE, rank_collapse.PLOT_FILE):
+        copy = tmp_path / name.replace(".", "_")
+        shutil.copytree(workdir, copy)
+        os.remove(copy / name)
+        assert name in rank_collapse.why_unfinished(tiny(), str(copy))

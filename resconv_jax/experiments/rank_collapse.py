@@ -350,11 +350,12 @@ def spectra(config, workdir: str) -> list[dict]:
     lock = WorkdirLock(workdir)
     lock.acquire()
     folder = wd.path(workdir)
-    try:
-        write_json(folder / CONFIG_FILE, json.loads(config.to_json_best_effort()))
+    try:  # config.json goes first and comes back last: it marks the outputs as this config's
+        (folder / CONFIG_FILE).unlink(missing_ok=True)
         write_csv(folder / CSV_FILE, rows)
         write_csv(folder / SEEDS_CSV_FILE, per_seed)
         plot(folder / PLOT_FILE, rows, x_ratio, title, dtype)
+        write_json(folder / CONFIG_FILE, json.loads(config.to_json_best_effort()))
     finally:
         lock.release()
 
@@ -444,11 +445,15 @@ def report(workdir: str) -> list[str]:
 
 
 def why_unfinished(config, workdir: str) -> str | None:
-    """None when `workdir` holds this config's result (its CSV_FILE: the task trains nothing)."""
-    problem = why_config_differs(config, wd.path(workdir))
-    if problem is None and not (wd.path(workdir) / CSV_FILE).exists():
-        problem = f"no {CSV_FILE}"
-    return problem
+    """None when `workdir` holds this config's result: its config.json (written after the
+    outputs) and every output file (the task trains nothing)."""
+    folder = wd.path(workdir)
+    if problem := why_config_differs(config, folder):
+        return problem
+    missing = [
+        name for name in (CSV_FILE, SEEDS_CSV_FILE, PLOT_FILE) if not (folder / name).exists()
+    ]
+    return f"no {', '.join(missing)}" if missing else None
 
 
 def describe_sizes(config) -> str:

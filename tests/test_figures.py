@@ -133,3 +133,35 @@ def test_progress_line_summarises_a_sweep():
     assert "max 9.000e+00 (r3 β=0.75 seed 0) over 15 runs  100.0 steps/s  ETA 18s" in line
     losses[0] = np.nan
     assert "(1 non-finite)" in progress_line(200, 2000, 199, losses, 100.0, SETTINGS)
+
+
+def lr_sweep() -> list[dict]:
+    """Metrics lines of a β × lr sweep (one seed): lr 1e-3 and 4e-3 descend at different rates."""
+    fast = history(seeds=(0,), betas=(0.0, 1.0))
+    for line in fast:
+        line["run"] += 2
+        line["lr"] = 4e-3
+        line["loss"] = 0.5 * line["loss"]
+    return history(seeds=(0,), betas=(0.0, 1.0)) + fast
+
+
+def test_an_lr_sweep_keeps_one_row_and_one_label_per_lr():
+    """Runs that differ only in lr are not one group: averaging them would report a loss and a
+    rate that no run had (and call the lrs 'seeds')."""
+    lines = lr_sweep()
+    rows, _ = figures.beta_table(lines)
+    assert [(row["lr"], row["beta_attn"], row["runs"]) for row in rows] == [
+        (1e-3, 0.0, 1), (1e-3, 1.0, 1), (4e-3, 0.0, 1), (4e-3, 1.0, 1)
+    ]  # fmt: skip
+    assert rows[2]["final_loss"] == pytest.approx(0.5 * rows[0]["final_loss"])
+    printed = figures.format_beta_table([row | {"threshold": 1.0} for row in rows])
+    assert "lr" in printed.splitlines()[1] and "0.004" in printed
+    ax = figures.loss_by_beta_figure(lines, 0.0).axes[0]
+    labels = [text.get_text() for text in ax.get_legend().get_texts()]
+    assert labels == ["lr=0.001, β=0", "lr=0.001, β=1", "lr=0.004, β=0", "lr=0.004, β=1"]
+    assert "seeds" not in ax.get_title()
+
+
+def test_a_single_lr_adds_no_lr_column():
+    rows, _ = figures.beta_table(history())
+    assert "lr" not in rows[0]

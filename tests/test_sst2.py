@@ -295,3 +295,24 @@ def test_a_one_element_depth_sweep_beyond_the_checkpoint_is_refused(tmp_path):
     with pytest.raises(ValueError, match="num_layers=6 must be between 1 and n_layer=3"):
         train.run(config, str(tmp_path / "w"))
     assert not (tmp_path / "w").exists()
+
+
+def test_the_sst2_claims_refuse_runs_that_differ_in_lr(tmp_path):
+    """An lr sweep's tables carry an lr column: 5b and 5b″ compare β within one lr, so on such
+    a folder they are not run and say why (they used to keep one lr's error per cell, silently)."""
+    from resconv_jax.experiments import classification, sst2_seeds
+    from resconv_jax.experiments.claims import NOT_RUN
+    from resconv_jax.runtime.workdir import write_csv
+
+    cells = [(L, lr, b) for L in (2, 6) for lr in (1e-4, 2e-4) for b in (0.0, 1.0)]
+    write_csv(tmp_path / classification.ACCURACY_FILE, [
+        {"num_layers": L, "lr": lr, "beta_attn": b, "beta_ffn": b, "runs": 1,
+         "final_error": 0.3 - 0.1 * b, "final_val_accuracy": 0.6} for L, lr, b in cells
+    ])  # fmt: skip
+    write_csv(tmp_path / sst2_seeds.RUNS_FILE, [
+        {"num_layers": L, "beta": b, "seed": 0, "final_error": 0.3 - 0.1 * b, "lr": lr}
+        for L, lr, b in cells
+    ])  # fmt: skip
+    for claim in (classification.sst2_ordering(tmp_path),
+                  sst2_seeds.sst2_ordering_with_seeds(tmp_path)):  # fmt: skip
+        assert claim.verdict == NOT_RUN and "differ in lr (0.0001, 0.0002)" in claim.note

@@ -61,6 +61,17 @@ def missing(claim: Claim, workdir, name: str) -> Claim | None:
     return None
 
 
+def several_lrs(claim: Claim, rows: list[dict]) -> Claim | None:
+    """`claim` not run, saying why, when `rows` (a table that has an "lr" column only when its
+    runs differ in lr) mix learning rates: its comparisons are between runs of one lr."""
+    if rows and "lr" in rows[0]:
+        lrs = ", ".join(f"{lr:g}" for lr in sorted({row["lr"] for row in rows}))
+        return dataclasses.replace(
+            claim, note=f"the runs differ in lr ({lrs}); the claim compares runs of one lr"
+        )
+    return None
+
+
 def verdict(ok: bool) -> str:
     """ "holds" or "fails"."""
     return HOLDS if ok else FAILS

@@ -26,6 +26,7 @@ from resconv_jax.experiments.figures import (  # noqa: E402
     beta_label,
     first_lines,
     group_key,
+    lr_swept,
     save_figure,
 )
 from resconv_jax.experiments.record import ClaimCheck, Experiment, scale_variants  # noqa: E402
@@ -48,7 +49,7 @@ def plot_errors(history: list[dict], path: str) -> None:
     runs = first_lines(history)
     colors = plt.cm.viridis(np.linspace(0, 0.9, max(len(runs), 1)))
     for color, run in zip(colors, runs, strict=True):
-        label = f"{beta_label(run)}, seed {run['seed']}"
+        label = f"{beta_label(run, lr_swept(runs))}, seed {run['seed']}"
         ax_loss.semilogy(*series(history, run["run"], "loss"), color=color, label=label)
         ax_error.plot(*series(history, run["run"], "error"), color=color, label=label)
         steps, val = series(history, run["run"], "val_error")
@@ -62,7 +63,8 @@ def plot_errors(history: list[dict], path: str) -> None:
 
 
 def accuracy_rows(history: list[dict]) -> list[dict]:
-    """One row per (L, β_a, β_f): final training error and validation accuracy, mean over seeds."""
+    """One row per (L, lr, β_a, β_f) (lr when swept): final training error and validation
+    accuracy, mean over seeds."""
     groups: dict[tuple, list[dict]] = {}
     for run in first_lines(history):
         error = series(history, run["run"], "error")[1]
@@ -74,8 +76,10 @@ def accuracy_rows(history: list[dict]) -> list[dict]:
             }
         )
     rows = []
-    for (layers, _, beta_attn, beta_ffn), members in sorted(groups.items()):
-        row = {"num_layers": layers, "beta_attn": beta_attn, "beta_ffn": beta_ffn}
+    swept = lr_swept(first_lines(history))
+    for (layers, _, lr, beta_attn, beta_ffn), members in sorted(groups.items()):
+        row = {"num_layers": layers} | ({"lr": lr} if swept else {})
+        row |= {"beta_attn": beta_attn, "beta_ffn": beta_ffn}
         row["runs"] = len(members)
         for key in members[0]:
             row[key] = float(np.mean([m[key] for m in members]))
@@ -113,13 +117,18 @@ def write_classification_report(workdir, history: list[dict]) -> list[dict]:
 
 def format_accuracy_table(rows: list[dict]) -> str:
     """The per-(L, β) accuracy table as printed at the end of a run."""
+    lr = "lr" in rows[0]
     lines = [
-        "per-(L, β) accuracy (means over runs):",
-        f"{'L':>3} {'beta_a':>6} {'beta_f':>6} {'runs':>4} {'train error':>11} {'val acc':>8}",
+        f"per-(L, {'lr, ' if lr else ''}β) accuracy (means over runs):",
+        f"{'L':>3} "
+        + (f"{'lr':>9} " if lr else "")
+        + f"{'beta_a':>6} {'beta_f':>6} {'runs':>4} {'train error':>11} {'val acc':>8}",
     ]
     for row in rows:
         lines.append(
-            f"{row['num_layers'] or '-':>3} {row['beta_attn']:>6g} {row['beta_ffn']:>6g} "
+            f"{row['num_layers'] or '-':>3} "
+            + (f"{row['lr']:>9.3g} " if lr else "")
+            + f"{row['beta_attn']:>6g} {row['beta_ffn']:>6g} "
             f"{row['runs']:>4d} {row['final_error']:>11.4f} {row['final_val_accuracy']:>8.4f}"
         )
     return "\n".join(lines)
@@ -137,6 +146,8 @@ def sst2_ordering(workdir) -> Claim:
     if missing := claims.missing(claim, workdir, ACCURACY_FILE):
         return missing
     rows = claims.read_csv(wd.path(workdir) / ACCURACY_FILE)
+    if mixed := claims.several_lrs(claim, rows):
+        return mixed
     error = {
         (r["num_layers"], float(r["beta_attn"])): r[FINAL_ERROR]
         for r in rows

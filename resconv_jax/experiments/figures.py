@@ -37,17 +37,26 @@ def first_lines(history: list[dict]) -> list[dict]:
     return [first[r] for r in sorted(first)]
 
 
-def beta_label(line: dict) -> str:
+def beta_label(line: dict, lr: bool = False) -> str:
+    """'L=2, β=0.5' (L, d where swept; the lr too with `lr`, when the runs differ in it)."""
     depth = f"L={line['num_layers']}, " if "num_layers" in line else ""
     depth += f"d={line['dim']}, " if "dim" in line else ""
+    depth += f"lr={line['lr']:.3g}, " if lr else ""
     if line["beta_attn"] == line["beta_ffn"]:
         return f"{depth}β={line['beta_attn']:g}"
     return f"{depth}β_a={line['beta_attn']:g}, β_f={line['beta_ffn']:g}"
 
 
 def group_key(line: dict) -> tuple:
-    """(L or 0, d or 0, β_a, β_f): the runs (seeds) that share these are one row of the table."""
-    return line.get("num_layers", 0), line.get("dim", 0), line["beta_attn"], line["beta_ffn"]
+    """(L or 0, d or 0, lr, β_a, β_f): the runs (seeds) that share these are one row of the
+    table."""
+    layers, dim = line.get("num_layers", 0), line.get("dim", 0)
+    return layers, dim, line.get("lr", 0.0), line["beta_attn"], line["beta_ffn"]
+
+
+def lr_swept(lines: list[dict]) -> bool:
+    """Whether the runs of `lines` differ in lr: then the tables and labels name it."""
+    return len({line.get("lr") for line in lines}) > 1
 
 
 def group_colors(keys) -> dict[tuple, np.ndarray]:
@@ -88,7 +97,7 @@ def training_figure(history: list[dict]):
     if len(seeds) > 1:
         sigma_summary(ax_sigma, history, runs, colors)
     beta_handles = [
-        Line2D([], [], color=color, lw=2, label=beta_label(run))
+        Line2D([], [], color=color, lw=2, label=beta_label(run, lr_swept(runs)))
         for key, color in colors.items()
         for run in [next(r for r in runs if group_key(r) == key)]
     ]
@@ -182,9 +191,11 @@ def beta_table(
             }
         )
     rows = []
-    for (layers, dim, beta_attn, beta_ffn), members in sorted(groups.items()):
+    swept = lr_swept(runs)
+    for (layers, dim, lr, beta_attn, beta_ffn), members in sorted(groups.items()):
         row = {"num_layers": layers} if layers else {}
         row |= {"dim": dim} if dim else {}
+        row |= {"lr": lr} if swept else {}
         row |= {"beta_attn": beta_attn, "beta_ffn": beta_ffn, "runs": len(members)}
         for key in members[0]:
             values = np.array([m[key] for m in members], float)
@@ -199,10 +210,11 @@ def loss_by_beta_figure(history: list[dict], threshold: float):
     """The figure of `plot_loss_by_beta` (not saved)."""
     curves: dict[tuple, list[np.ndarray]] = {}
     labels, steps, reached = {}, None, []
+    swept = lr_swept(first_lines(history))
     for run in first_lines(history):
         steps, losses = series(history, run["run"], "loss")
         curves.setdefault(group_key(run), []).append(losses)
-        labels.setdefault(group_key(run), beta_label(run))
+        labels.setdefault(group_key(run), beta_label(run, swept))
         if threshold:
             reached.append(steps_to_threshold(steps, losses, threshold))
     colors = group_colors(curves)
@@ -241,6 +253,7 @@ def loss_by_beta_figure(history: list[dict], threshold: float):
         note = (f"{seeds} seeds" if len(counts) == 1 else "seeds") + ": line mean, band min–max"
     else:
         shapes = [name for i, name in enumerate(("L", "d")) if any(key[i] for key in curves)]
+        shapes += ["lr"] if swept else []
         note = f"one run per ({', '.join(shapes)}, β)" if shapes else "one run per β"
     axes[0].set_title(f"Full-batch GD by β ({note})")
     axes[0].legend(fontsize=8)
@@ -281,15 +294,16 @@ def plot_sigma_by_beta(rows: list[dict], path: str) -> bool:
 
     def line_of(row):
         if line_key == "beta":
-            return (row["beta_attn"], row["beta_ffn"])
-        return row.get("num_layers", 0), row.get("dim", 0)
+            return row.get("lr", 0.0), row["beta_attn"], row["beta_ffn"]
+        return row.get("num_layers", 0), row.get("dim", 0), row.get("lr", 0.0)
 
     for line in sorted({line_of(row) for row in rows}):
         same = sorted((r for r in rows if line_of(r) == line), key=lambda r: r[x_key])
         if line_key == "beta":
-            name = beta_label({k: v for k, v in same[0].items() if k not in ("num_layers", "dim")})
+            betas = {k: v for k, v in same[0].items() if k not in ("num_layers", "dim")}
+            name = beta_label(betas, "lr" in same[0])
         else:
-            name = ", ".join(f"{n}={v}" for n, v in zip(("L", "d"), line, strict=True) if v)
+            name = ", ".join(f"{n}={v:g}" for n, v in zip(("L", "d", "lr"), line, strict=True) if v)
         for when, marker in (("start", "o"), ("end", "s")):
             key = f"z_sigma_min_over_fro_{when}"
             mean = np.array([row[key] for row in same])
@@ -330,10 +344,11 @@ def write_reports(
 
 def format_beta_table(rows: list[dict]) -> str:
     """The per-β table as printed at the end of a run."""
-    depth, width = "num_layers" in rows[0], "dim" in rows[0]
+    depth, width, lr = "num_layers" in rows[0], "dim" in rows[0], "lr" in rows[0]
     header = (
         ("   L " if depth else "")
         + ("    d " if width else "")
+        + (f"{'lr':>9} " if lr else "")
         + (
             f"{'beta_a':>6} {'beta_f':>6} {'runs':>4} {'final loss':>11} {'final val':>11} "
             f"{'steps<thr':>9} {'rate/step':>9} {'σmin/‖Z‖F start':>16} {'end':>9}"
@@ -348,6 +363,7 @@ def format_beta_table(rows: list[dict]) -> str:
         lines.append(
             (f"{row['num_layers']:>4d} " if depth else "")
             + (f"{row['dim']:>5d} " if width else "")
+            + (f"{row['lr']:>9.3g} " if lr else "")
             + f"{row['beta_attn']:>6g} {row['beta_ffn']:>6g} {row['runs']:>4d} "
             f"{row['final_loss']:>11.4e} {row['final_val_loss']:>11.4e} "
             f"{steps} {row['rate']:>9.5f} "

@@ -29,13 +29,15 @@ FEWEST_SEEDS = 5  # with fewer, no sign pattern of one cell's pairs reaches p < 
 
 def run_rows(history: list[dict], runs: list[dict]) -> list[dict]:
     """One row per run of `runs` (their first metrics lines) with β_a = β_f: its depth, β, seed
-    and final training error."""
+    (and lr when the runs differ in it) and final training error."""
     rows = []
+    swept = len({run.get("lr") for run in runs}) > 1
     for run in runs:
         errors = series(history, run["run"], "error")[1]
         if errors.size and run["beta_attn"] == run["beta_ffn"]:
             rows.append({"num_layers": run.get("num_layers"), "beta": float(run["beta_attn"]),
-                         "seed": run["seed"], FINAL_ERROR: float(errors[-1])})  # fmt: skip
+                         "seed": run["seed"], FINAL_ERROR: float(errors[-1])}
+                        | ({"lr": run["lr"]} if swept else {}))  # fmt: skip
     return rows
 
 
@@ -121,6 +123,8 @@ def sst2_ordering_with_seeds(workdir, alpha: float = 0.05) -> Claim:
     if missing := claims.missing(claim, workdir, RUNS_FILE):
         return missing
     rows = claims.read_csv(wd.path(workdir) / RUNS_FILE)
+    if mixed := claims.several_lrs(claim, rows):
+        return mixed
     residual = _pairs(rows, "beta", 0.0, 1.0)
     depths = sorted({r["num_layers"] for r in rows})
     if not residual or len(depths) < 2:

@@ -162,6 +162,11 @@ def test_an_lr_sweep_keeps_one_row_and_one_label_per_lr():
     assert "seeds" not in ax.get_title()
 
 
-def test_a_single_lr_adds_no_lr_column():
-    rows, _ = figures.beta_table(history())
-    assert "lr" not in rows[0]
+def test_per_run_step_sizes_are_not_an_lr_sweep():
+    """optim.lr_rule="lambda_max" gives every run its own lr: one lr per (seed, β) is not a
+    sweep, so the seeds of a β stay one row and no lr column appears."""
+    lines = history()
+    for line in lines:
+        line["lr"] = 1e-3 / (1 + line["run"])
+    rows, _ = figures.beta_table(lines)
+    assert "lr" not in rows[0] and [row["runs"] for row in rows] == [2, 2, 2]

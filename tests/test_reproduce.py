@@ -105,7 +105,7 @@ def test_certificate_is_judged_only_inside_its_premise(tmp_path):
 
 def test_multilayer_needs_every_depth(tmp_path):
     values = ((1, 0, 0.999), (1, 1, 0.995), (2, 0, 0.97), (2, 1, 0.999))
-    rows = [{"num_layers": L, "beta_attn": b, "rate_r2": r2} for L, b, r2 in values]
+    rows = [{"num_layers": L, "beta_attn": b, "beta_ffn": b, "rate_r2": r2} for L, b, r2 in values]
     (tmp_path / "a").mkdir()
     write_csv(tmp_path / "a" / "depth_runs.csv", rows)
     row = depth.multilayer(str(tmp_path / "a"))
@@ -385,3 +385,44 @@ def test_the_report_names_the_cpu_and_the_cores_this_process_may_use(monkeypatch
     assert line.startswith("- machine: Test CPU 9000, 1 of ") and " CPU cores usable, " in line
     monkeypatch.undo()
     assert 1 <= host.usable_cores() <= os.cpu_count() and host.cpu_model()
+
+
+def depth_history(cells) -> list[dict]:
+    """Metrics lines of one run per (L, β_a, β_f) in `cells`, each descending at its own rate
+    (β_f = 1 three times faster), with layer 0's σ(Z) logged."""
+    lines = []
+    for run, (layers, beta_attn, beta_ffn) in enumerate(cells):
+        rate = 0.01 * (1 + beta_attn) * (3 if beta_ffn else 1)
+        for step in range(0, 101, 10):
+            lines.append({"run": run, "seed": 0, "lr": 1e-3, "num_layers": layers,
+                          "beta_attn": beta_attn, "beta_ffn": beta_ffn, "step": step,
+                          "loss": float(np.exp(-rate * step)) + 1e-3,
+                          "layer0/z/sigma_min": 1.0, "layer0/z/sigma_max": 2.0})  # fmt: skip
+    return lines
+
+
+def test_the_depth_table_keeps_runs_that_differ_in_beta_ffn_apart():
+    """β_a and β_f swept apart: one row per (L, β_a, β_f); merging the β_f of one β_a averaged
+    two different descents into one rate."""
+    from resconv_jax.experiments import depth
+
+    cells = [(L, a, f) for L in (1, 2) for a in (0.0, 1.0) for f in (0.0, 1.0)]
+    rows = depth.depth_rows(depth_history(cells))
+    table = depth.format_depth_table(rows).splitlines()
+    assert "beta_a" in table[1] and "beta_f" in table[1]
+    body = [line.split() for line in table[2:-1]]
+    assert [(int(b[0]), float(b[1]), float(b[2]), int(b[3])) for b in body] == [
+        (L, a, f, 1) for L, a, f in cells
+    ]
+    rates = {(L, a, f): float(b[4]) for (L, a, f), b in zip(cells, body, strict=True)}
+    assert rates[1, 0.0, 1.0] < rates[1, 0.0, 0.0]
+
+
+def test_claim_4_names_beta_ffn_in_its_note_when_it_is_swept(tmp_path):
+    from resconv_jax.experiments import depth
+    from resconv_jax.runtime.workdir import write_csv
+
+    cells = [(L, a, f) for L in (1, 2) for a in (0.0, 1.0) for f in (0.0, 1.0)]
+    write_csv(tmp_path / depth.RUNS_FILE, depth.depth_rows(depth_history(cells)))
+    note = depth.multilayer(str(tmp_path)).note
+    assert "1/β_a=0,β_f=1: " in note and note.count("/β_a=") == 8

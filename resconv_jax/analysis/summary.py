@@ -37,6 +37,17 @@ def series(history: list[dict], run: int, key: str) -> tuple[np.ndarray, np.ndar
     return np.array([line["step"] for line in lines]), values
 
 
+def lr_swept(lines: list[dict]) -> bool:
+    """Whether `lines` (metrics lines, or one row per run) hold runs that differ only in lr: a
+    sweep.lr axis, to be reported per lr. Per-run step sizes (optim.lr_rule="lambda_max") give
+    each (L, d, seed, β_a, β_f) one lr, so they are not a sweep."""
+    lrs: dict[tuple, set] = {}
+    for line in lines:
+        cell = tuple(line.get(k) for k in ("num_layers", "dim", "seed", "beta_attn", "beta_ffn"))
+        lrs.setdefault(cell, set()).add(line.get("lr"))
+    return any(len(values) > 1 for values in lrs.values())
+
+
 def run_summaries(
     history: list[dict], settings: list[dict], floor: float = FIT_FLOOR
 ) -> list[dict]:

@@ -18,7 +18,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from resconv_jax.analysis.summary import series  # noqa: E402
+from resconv_jax.analysis.summary import lr_swept, series  # noqa: E402
 from resconv_jax.experiments import claims  # noqa: E402
 from resconv_jax.experiments.claims import Claim  # noqa: E402
 from resconv_jax.experiments.figures import (  # noqa: E402
@@ -26,7 +26,6 @@ from resconv_jax.experiments.figures import (  # noqa: E402
     beta_label,
     first_lines,
     group_key,
-    lr_swept,
     save_figure,
 )
 from resconv_jax.experiments.record import ClaimCheck, Experiment, scale_variants  # noqa: E402
@@ -66,17 +65,17 @@ def accuracy_rows(history: list[dict]) -> list[dict]:
     """One row per (L, lr, β_a, β_f) (lr when swept): final training error and validation
     accuracy, mean over seeds."""
     groups: dict[tuple, list[dict]] = {}
+    swept = lr_swept(first_lines(history))
     for run in first_lines(history):
         error = series(history, run["run"], "error")[1]
         val = series(history, run["run"], "val_error")[1]
-        groups.setdefault(group_key(run), []).append(
+        groups.setdefault(group_key(run, swept), []).append(
             {
                 FINAL_ERROR: error[-1] if error.size else np.nan,
                 "final_val_accuracy": 1.0 - val[-1] if val.size else np.nan,
             }
         )
     rows = []
-    swept = lr_swept(first_lines(history))
     for (layers, _, lr, beta_attn, beta_ffn), members in sorted(groups.items()):
         row = {"num_layers": layers} | ({"lr": lr} if swept else {})
         row |= {"beta_attn": beta_attn, "beta_ffn": beta_ffn}

@@ -17,7 +17,7 @@ import numpy as np
 from matplotlib.lines import Line2D
 
 from resconv_jax.analysis.stats import spearman
-from resconv_jax.analysis.summary import FIT_FLOOR, fit_rate, series
+from resconv_jax.analysis.summary import FIT_FLOOR, fit_rate, lr_swept, series
 from resconv_jax.experiments import claims
 from resconv_jax.experiments.claims import Claim
 from resconv_jax.experiments.figures import DPI, plt, save_figure
@@ -34,8 +34,10 @@ def _layer_ratio_sq(line: dict, layer: int) -> float:
 
 
 def depth_rows(history: list[dict], floor: float = FIT_FLOOR) -> list[dict]:
-    """One row per run: settings, rate, R², speed and the slowest layer's ratio at init."""
+    """One row per run: settings (lr when the runs differ in it), rate, R², speed and the
+    slowest layer's ratio at init."""
     rows = []
+    swept_lr = lr_swept(history)
     for run in sorted({line["run"] for line in history}):
         lines = [line for line in history if line["run"] == run]
         first = lines[0]
@@ -50,6 +52,7 @@ def depth_rows(history: list[dict], floor: float = FIT_FLOOR) -> list[dict]:
                 "seed": first["seed"],
                 "beta_attn": first["beta_attn"],
                 "beta_ffn": first["beta_ffn"],
+                **({"lr": first["lr"]} if swept_lr else {}),
                 "rate": rate,
                 "rate_r2": r2,
                 "speed": 1.0 - rate,
@@ -65,18 +68,42 @@ def _finite_min(values) -> float:
     return min((v for v in values if np.isfinite(v)), default=math.nan)
 
 
+def _cell(row: dict) -> tuple:
+    """(L, lr or 0, β_a, β_f): the runs (seeds) of one row of the depth table."""
+    return row["num_layers"], row.get("lr", 0.0), row["beta_attn"], row["beta_ffn"]
+
+
+def _split_betas(rows: list[dict]) -> bool:
+    return any(r["beta_attn"] != r["beta_ffn"] for r in rows)
+
+
+def _cell_text(cell: tuple, split: bool) -> str:
+    """'2/0.5' or, with β_a and β_f swept apart, '2/β_a=0.5,β_f=1' (lr=… first when swept)."""
+    layers, lr, beta_attn, beta_ffn = cell
+    beta = f"β_a={beta_attn:g},β_f={beta_ffn:g}" if split else f"{beta_attn:g}"
+    return f"{layers}/" + (f"lr={lr:g}," if lr else "") + beta
+
+
 def format_depth_table(rows: list[dict]) -> str:
-    """Per (L, β): the runs' rates and R²; then ρ(speed, slowest layer's ratio)."""
+    """Per (L, lr, β_a, β_f) (lr, β_f shown when swept): the runs' rates and R²; then
+    ρ(speed, slowest layer's ratio)."""
+    split, lr = _split_betas(rows), "lr" in rows[0]
+    columns = (f"{'lr':>9} " if lr else "") + (
+        f"{'beta_a':>6} {'beta_f':>6}" if split else f"{'beta':>5}"
+    )
     lines = [
         "linear convergence per depth (rate and R² of the log-loss fit above the floor):",
-        f"{'L':>3} {'beta':>5} {'runs':>4} {'rate/step':>9} {'min R²':>7} {'final loss':>11} "
+        f"{'L':>3} {columns} {'runs':>4} {'rate/step':>9} {'min R²':>7} {'final loss':>11} "
         f"{'slowest σ²min/σ²max(Z) init':>27}",
     ]
-    keys = sorted({(r["num_layers"], r["beta_attn"]) for r in rows})
-    for layers, beta in keys:
-        same = [r for r in rows if (r["num_layers"], r["beta_attn"]) == (layers, beta)]
+    for cell in sorted({_cell(r) for r in rows}):
+        layers, cell_lr, beta_attn, beta_ffn = cell
+        same = [r for r in rows if _cell(r) == cell]
+        values = (f"{cell_lr:>9.3g} " if lr else "") + (
+            f"{beta_attn:>6g} {beta_ffn:>6g}" if split else f"{beta_attn:>5g}"
+        )
         lines.append(
-            f"{layers:>3} {beta:>5g} {len(same):>4} {np.mean([r['rate'] for r in same]):>9.5f} "
+            f"{layers:>3} {values} {len(same):>4} {np.mean([r['rate'] for r in same]):>9.5f} "
             f"{_finite_min([r['rate_r2'] for r in same]):>7.4f} "
             f"{np.mean([r['final_loss'] for r in same]):>11.4e} "
             f"{np.mean([r['slowest_ratio_sq_init'] for r in same]):>27.3g}"
@@ -161,13 +188,13 @@ def multilayer(workdir, threshold: float = 0.99, small_branches: bool = False) -
     depths = sorted({r["num_layers"] for r in rows})
     worst = {L: min(r["rate_r2"] for r in rows if r["num_layers"] == L) for L in depths}
     value = ", ".join(f"L={L}: {r2:.3f}" for L, r2 in worst.items())
-    per_beta = {
-        (L, b): min(r["rate_r2"] for r in rows if (r["num_layers"], r["beta_attn"]) == (L, b))
-        for L in depths
-        for b in sorted({r["beta_attn"] for r in rows})
+    split = _split_betas(rows)
+    per_cell = {
+        cell: min(r["rate_r2"] for r in rows if _cell(r) == cell)
+        for cell in sorted({_cell(r) for r in rows})
     }
     note = "min R² per (L, β): " + ", ".join(
-        f"{L}/{b:g}: {v:.3f}" for (L, b), v in per_beta.items()
+        f"{_cell_text(cell, split)}: {v:.3f}" for cell, v in per_cell.items()
     )
     ok = all(r2 >= threshold for r2 in worst.values())
     return dataclasses.replace(claim, value=value, verdict=claims.verdict(ok), note=note)

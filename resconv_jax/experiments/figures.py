@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
-from resconv_jax.analysis.summary import FIT_FLOOR, fit_rate, series  # noqa: E402
+from resconv_jax.analysis.summary import FIT_FLOOR, fit_rate, lr_swept, series  # noqa: E402
 from resconv_jax.runtime import workdir as wd  # noqa: E402
 from resconv_jax.runtime.workdir import write_csv, write_png  # noqa: E402
 
@@ -47,16 +47,11 @@ def beta_label(line: dict, lr: bool = False) -> str:
     return f"{depth}β_a={line['beta_attn']:g}, β_f={line['beta_ffn']:g}"
 
 
-def group_key(line: dict) -> tuple:
-    """(L or 0, d or 0, lr, β_a, β_f): the runs (seeds) that share these are one row of the
-    table."""
+def group_key(line: dict, by_lr: bool = False) -> tuple:
+    """(L or 0, d or 0, lr (`by_lr`: an lr sweep, `lr_swept`) or 0, β_a, β_f): the runs (seeds)
+    that share these are one row of the table."""
     layers, dim = line.get("num_layers", 0), line.get("dim", 0)
-    return layers, dim, line.get("lr", 0.0), line["beta_attn"], line["beta_ffn"]
-
-
-def lr_swept(lines: list[dict]) -> bool:
-    """Whether the runs of `lines` differ in lr: then the tables and labels name it."""
-    return len({line.get("lr") for line in lines}) > 1
+    return layers, dim, line["lr"] if by_lr else 0.0, line["beta_attn"], line["beta_ffn"]
 
 
 def group_colors(keys) -> dict[tuple, np.ndarray]:
@@ -73,13 +68,14 @@ SEED_MARKERS = "os^Dv"
 def training_figure(history: list[dict]):
     """The figure of `plot_training` (not saved)."""
     runs = first_lines(history)
-    colors = group_colors(group_key(run) for run in runs)
+    swept = lr_swept(runs)
+    colors = group_colors(group_key(run, swept) for run in runs)
     seeds = sorted({run["seed"] for run in runs})
     marked = 1 < len(seeds) <= MAX_SEED_MARKERS  # a marker per seed; more seeds: thin lines
     thin = len(seeds) > MAX_SEED_MARKERS
     fig, (ax_loss, ax_sigma) = plt.subplots(1, 2, figsize=(12, 4.6), dpi=DPI)
     for run in runs:
-        style = {"color": colors[group_key(run)], "lw": 0.8 if thin else 1.4}
+        style = {"color": colors[group_key(run, swept)], "lw": 0.8 if thin else 1.4}
         if thin:
             style["alpha"] = 0.7
         if marked:
@@ -97,9 +93,9 @@ def training_figure(history: list[dict]):
     if len(seeds) > 1:
         sigma_summary(ax_sigma, history, runs, colors)
     beta_handles = [
-        Line2D([], [], color=color, lw=2, label=beta_label(run, lr_swept(runs)))
+        Line2D([], [], color=color, lw=2, label=beta_label(run, swept))
         for key, color in colors.items()
-        for run in [next(r for r in runs if group_key(r) == key)]
+        for run in [next(r for r in runs if group_key(r, swept) == key)]
     ]
     outside = len(beta_handles) > 4  # beside the panels, so that no legend covers a curve
     if outside:
@@ -134,8 +130,9 @@ def training_figure(history: list[dict]):
 def sigma_summary(ax, history: list[dict], runs: list[dict], colors: dict) -> None:
     """Per β group: the median over its runs (seeds) of σ_min(Z) (solid, with its min–max band)
     and of σ_min(Attn(X)) (dotted), against step: one line per group, not per run."""
+    swept = lr_swept(runs)
     for key, color in colors.items():
-        members = [r["run"] for r in runs if group_key(r) == key]
+        members = [r["run"] for r in runs if group_key(r, swept) == key]
         for name, line in (("layer0/z/sigma_min", "-"), ("layer0/attn/sigma_min", ":")):
             curves = [series(history, run, name) for run in members]
             if not curves or not curves[0][1].size:
@@ -174,13 +171,14 @@ def beta_table(
     runs = first_lines(history)
     finals = {r["run"]: series(history, r["run"], "loss")[1][-1] for r in runs}
     threshold = threshold or 1.5 * max(finals.values())
+    swept = lr_swept(runs)
     groups: dict[tuple, list[dict]] = {}
     for run in runs:
         steps, losses = series(history, run["run"], "loss")
         val = series(history, run["run"], "val_loss")[1]
         fro = series(history, run["run"], Z_FRO)[1]
         rate, _ = fit_rate(steps, losses, floor)
-        groups.setdefault(group_key(run), []).append(
+        groups.setdefault(group_key(run, swept), []).append(
             {
                 "final_loss": losses[-1],
                 "final_val_loss": val[-1] if val.size else np.nan,
@@ -191,7 +189,6 @@ def beta_table(
             }
         )
     rows = []
-    swept = lr_swept(runs)
     for (layers, dim, lr, beta_attn, beta_ffn), members in sorted(groups.items()):
         row = {"num_layers": layers} if layers else {}
         row |= {"dim": dim} if dim else {}
@@ -213,8 +210,8 @@ def loss_by_beta_figure(history: list[dict], threshold: float):
     swept = lr_swept(first_lines(history))
     for run in first_lines(history):
         steps, losses = series(history, run["run"], "loss")
-        curves.setdefault(group_key(run), []).append(losses)
-        labels.setdefault(group_key(run), beta_label(run, swept))
+        curves.setdefault(group_key(run, swept), []).append(losses)
+        labels.setdefault(group_key(run, swept), beta_label(run, swept))
         if threshold:
             reached.append(steps_to_threshold(steps, losses, threshold))
     colors = group_colors(curves)

@@ -16,7 +16,7 @@ from statistics import NormalDist
 import numpy as np
 
 from resconv_jax.analysis import stats
-from resconv_jax.analysis.summary import series
+from resconv_jax.analysis.summary import lr_swept, series
 from resconv_jax.experiments import claims
 from resconv_jax.experiments.claims import Claim
 from resconv_jax.runtime import workdir as wd
@@ -31,7 +31,7 @@ def run_rows(history: list[dict], runs: list[dict]) -> list[dict]:
     """One row per run of `runs` (their first metrics lines) with β_a = β_f: its depth, β, seed
     (and lr when the runs differ in it) and final training error."""
     rows = []
-    swept = len({run.get("lr") for run in runs}) > 1
+    swept = lr_swept(runs)
     for run in runs:
         errors = series(history, run["run"], "error")[1]
         if errors.size and run["beta_attn"] == run["beta_ffn"]:

@@ -66,6 +66,24 @@ def test_rate_vs_conditioning_is_held_at_the_wide_widths_only(tmp_path):
         assert f"d=64 (1·P·M): ρ={square:.3f}" in row.value
 
 
+def test_an_undefined_rho_leaves_claim_2_not_run_and_says_why(tmp_path):
+    """Fewer than 3 runs of a held width with a rate fit: ρ is NaN, which compared as 'fails'."""
+    table = [row | {"fitted_runs": 15} for row in _table(0.4, float("nan"))]
+    table[1]["fitted_runs"] = 2
+    write_csv(tmp_path / "conditioning_table.csv", table)
+    row = conditioning.rate_vs_conditioning(str(tmp_path))
+    assert row.verdict == claims.NOT_RUN, row
+    assert "ρ is undefined at d=128 (2 of 15 runs have a rate fit)" in row.note
+
+
+def test_an_undefined_ratio_leaves_claim_3_not_run_and_says_why(tmp_path):
+    rows = [{"qk_init": "1/d_qk", "d_qk": 4096, "attn_ratio_p_mean/max": float("nan"),
+             "z_ratio_p_mean/min": 0.2}]  # fmt: skip
+    write_csv(tmp_path / "rank_collapse.csv", rows)
+    row = rank_collapse.residual_conditioning(str(tmp_path))
+    assert row.verdict == claims.NOT_RUN and "non-finite" in row.note
+
+
 def test_residual_conditioning_uses_the_worst_seed(tmp_path):
     def rows(attn_max, z_min):
         return [{"qk_init": "1/d_qk", "d_qk": 4096, "attn_ratio_p_mean/max": attn_max,

@@ -200,9 +200,16 @@ def rate_vs_conditioning(workdir, threshold: float = 0.9, min_ratio: float = 2.0
     held = [r for r in table if r[DIM_OVER_PM] >= min_ratio]
     if not held:
         return dataclasses.replace(claim, value=value, note=f"no width d ≥ {min_ratio:g}·P·M")
-    ok = all(r[RHO_Z_INIT] >= threshold for r in held)
     rho_k = ", ".join(f"d={r['dim']}: {r[RHO_ETA_LAMBDA_MIN]:.3f}" for r in table)
     note = f"ρ against η·λ_min(K): {rho_k}"
+    if undefined := [r for r in held if not math.isfinite(r[RHO_Z_INIT])]:
+        why = "; ".join(
+            f"ρ is undefined at d={r['dim']} ({r.get('fitted_runs', '?')} of {r['runs']} runs "
+            "have a rate fit)"
+            for r in undefined
+        )
+        return dataclasses.replace(claim, value=value, note=f"{why}; {note}")
+    ok = all(r[RHO_Z_INIT] >= threshold for r in held)
     return dataclasses.replace(claim, value=value, verdict=claims.verdict(ok), note=note)
 
 

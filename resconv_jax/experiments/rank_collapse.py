@@ -402,6 +402,9 @@ def residual_conditioning(workdir, d_qk: int = 4096, attn_max=1e-4, z_min=0.1) -
         return dataclasses.replace(claim, note=f"no d_QK = {d_qk} row with qk_init 1/d_qk")
     attn_worst, z_worst = row["attn_ratio_p_mean/max"], row["z_ratio_p_mean/min"]
     value = f"Attn(X) ≤ {attn_worst:.3g}, Attn(X) + X ≥ {z_worst:.3g}"
+    if not (math.isfinite(attn_worst) and math.isfinite(z_worst)):
+        note = f"a non-finite singular-value ratio at d_QK = {d_qk} (see {CSV_FILE})"
+        return dataclasses.replace(claim, value=value, note=note)
     return dataclasses.replace(
         claim, value=value, verdict=claims.verdict(attn_worst < attn_max and z_worst > z_min)
     )

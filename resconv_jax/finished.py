@@ -117,7 +117,7 @@ def _why_group_unfinished(config, folder, num_runs: int) -> tuple[str | None, li
         return f"{METRICS_FILE} {where} of {total}", [], []
     if _text(folder / METRICS_FILE) != "".join(text for text, _ in prefix):
         return f"{METRICS_FILE} holds more than its valid lines (a torn or foreign line)", [], []
-    problem = _why_checkpoint_disagrees(folder, prefix)
+    problem = _why_checkpoint_disagrees(folder, prefix, total)
     if problem:
         return problem, [], []
     history = [record for _, record in prefix]
@@ -128,12 +128,15 @@ def _why_group_unfinished(config, folder, num_runs: int) -> tuple[str | None, li
     return None, prefix, summary
 
 
-def _why_checkpoint_disagrees(folder, prefix) -> str | None:
-    """The latest checkpoint's record of the metrics lines before its step against the file."""
+def _why_checkpoint_disagrees(folder, prefix, total: int) -> str | None:
+    """The latest checkpoint, which a finished run saves at its last step `total`, and its
+    record of the metrics lines before its step, against the file."""
     directory = folder / CHECKPOINTS
     steps = checkpoint_steps(folder)
     if not steps:
         return f"no checkpoint in {CHECKPOINTS}/"
+    if steps[-1] != total:
+        return f"the latest checkpoint is of step {steps[-1]}, not of the last step {total}"
     meta_dir = directory / str(steps[-1]) / "meta"
     try:  # read only: a CheckpointManager would want to own (and create) the folder
         meta = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(meta_dir)

@@ -4,6 +4,7 @@ damaged folder met by `reproduce --jobs`. Each either continues exactly or refus
 
 import json
 import os
+import shutil
 
 import pytest
 
@@ -134,3 +135,20 @@ def test_a_refused_new_workdir_is_removed_while_its_lock_is_still_held(tmp_path,
         train.run(tiny(**{"train.num_steps": 10}), workdir)
     assert seen == [workdir]
     assert not os.path.exists(workdir)
+
+
+def test_a_finished_run_without_its_last_checkpoint_is_resumed_not_reused(tmp_path):
+    """Checkpoints 20 then 10 deleted from a finished 30-step run: no checkpoint vouches for
+    the lines after the one left, so the run is unfinished ("latest checkpoint at step ...")
+    and the rerun recomputes them, to the same bytes."""
+    config = tiny(**{"train.num_steps": 30, "train.keep_checkpoints": 10})
+    workdir = str(tmp_path / "w")
+    train.run(config, workdir)
+    finished_lines = metrics_lines(workdir)
+    assert finished.why_unfinished(config, workdir) is None
+    for step in (30, 20):
+        shutil.rmtree(os.path.join(workdir, "checkpoints", str(step)))
+        assert "latest checkpoint is of step" in finished.why_unfinished(config, workdir)
+    train.run(config, workdir)
+    assert metrics_lines(workdir) == finished_lines
+    assert finished.why_unfinished(config, workdir) is None

@@ -444,3 +444,17 @@ def test_claim_4_names_beta_ffn_in_its_note_when_it_is_swept(tmp_path):
     write_csv(tmp_path / depth.RUNS_FILE, depth.depth_rows(depth_history(cells)))
     note = depth.multilayer(str(tmp_path)).note
     assert "1/β_a=0,β_f=1: " in note and note.count("/β_a=") == 8
+
+
+def test_the_depth_figure_draws_beta_ffn_apart(tmp_path, monkeypatch):
+    from resconv_jax.experiments import depth
+
+    cells = [(L, a, f) for L in (1, 2) for a in (0.0, 1.0) for f in (0.0, 1.0)]
+    lines = depth_history(cells)
+    saved = []
+    monkeypatch.setattr(depth, "save_figure", lambda fig, path: saved.append(fig))
+    depth.plot_depth_sigma(lines, depth.depth_rows(lines), tmp_path / "depth_sigma.png", 1e-6)
+    labels = [text.get_text() for text in saved[0].legends[0].get_texts()]
+    assert labels[-4:] == ["β_a=0, β_f=0", "β_a=0, β_f=1", "β_a=1, β_f=0", "β_a=1, β_f=1"]
+    styles = {line.get_linestyle() for line in saved[0].axes[0].get_lines()}
+    assert len(styles) == 4

@@ -115,10 +115,11 @@ def format_depth_table(rows: list[dict]) -> str:
 
 def plot_depth_sigma(history: list[dict], rows: list[dict], path, eps: float) -> None:
     """σ_min(Z) of each layer against step, one panel per depth (the first seed); colour: the
-    layer (the same in every panel), line style: β. A value at or below `eps`·σ_max(Z) of its
-    layer is zero to the probe's precision: it is drawn at that floor, as × markers."""
+    layer (the same in every panel), line style: β (β_a, β_f when swept apart). A value at or
+    below `eps`·σ_max(Z) of its layer is zero to the probe's precision: it is drawn at that
+    floor, as × markers."""
     depths = sorted({r["num_layers"] for r in rows})
-    betas = sorted({r["beta_attn"] for r in rows})
+    betas = sorted({(r["beta_attn"], r["beta_ffn"]) for r in rows})
     styles = dict(zip(betas, ["-", "--", ":", "-."] * (len(betas) // 4 + 1), strict=False))
     colors = plt.cm.plasma(np.linspace(0, 0.85, max(depths)))
     size = (3.3 * len(depths) + 1.6, 3.6)
@@ -132,7 +133,8 @@ def plot_depth_sigma(history: list[dict], rows: list[dict], path, eps: float) ->
                 floor = eps * top if top.size == values.size else np.zeros_like(values)
                 low = values <= floor
                 shown = np.where(low, floor, values)
-                ax.semilogy(steps, shown, styles[row["beta_attn"]], color=colors[layer])
+                style = styles[row["beta_attn"], row["beta_ffn"]]
+                ax.semilogy(steps, shown, style, color=colors[layer])
                 if low.any():
                     floored = True
                     ax.semilogy(steps[low], shown[low], "x", color=colors[layer], ms=4)
@@ -143,7 +145,17 @@ def plot_depth_sigma(history: list[dict], rows: list[dict], path, eps: float) ->
             f"; ×: at or below {eps:.1g}·σ_max(Z) of the layer (0 to the probe's precision)"
         )
     handles = [Line2D([], [], color=colors[i], label=f"layer {i}") for i in range(max(depths))]
-    handles += [Line2D([], [], color="0.3", ls=styles[b], label=f"β={b:g}") for b in betas]
+    split = _split_betas(rows)
+    handles += [
+        Line2D(
+            [],
+            [],
+            color="0.3",
+            ls=styles[a, f],
+            label=f"β_a={a:g}, β_f={f:g}" if split else f"β={a:g}",
+        )
+        for a, f in betas
+    ]
     fig.legend(handles=handles, fontsize=8, loc="center right")
     fig.suptitle(f"Per-layer σ_min(Z), seed {rows[0]['seed']}{floor_note}", fontsize=10)
     fig.tight_layout(rect=(0, 0, 1 - 1.4 / fig.get_figwidth(), 1))

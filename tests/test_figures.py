@@ -170,3 +170,17 @@ def test_per_run_step_sizes_are_not_an_lr_sweep():
         line["lr"] = 1e-3 / (1 + line["run"])
     rows, _ = figures.beta_table(lines)
     assert "lr" not in rows[0] and [row["runs"] for row in rows] == [2, 2, 2]
+
+
+def test_a_summed_loss_table_says_train_and_validation_sums_are_not_comparable():
+    """With optim.reduction=sum the two loss columns are sums over sets of different sizes
+    (Jena: 256 train against 145 validation windows): the table says so under them."""
+    lines = history()
+    for line in lines:
+        line["val_loss"] = 0.5 * line["loss"]
+    rows = [row | {"threshold": 1.0} for row in figures.beta_table(lines)[0]]
+    note = "final loss and final val are sums over the training and the validation samples"
+    assert note in figures.format_beta_table(rows, summed=True)
+    assert note not in figures.format_beta_table(rows, summed=False)
+    no_val = [row | {"threshold": 1.0} for row in figures.beta_table(history())[0]]
+    assert note not in figures.format_beta_table(no_val, summed=True)

@@ -339,8 +339,9 @@ def write_reports(
     return [row | {"threshold": threshold} for row in rows]
 
 
-def format_beta_table(rows: list[dict]) -> str:
-    """The per-β table as printed at the end of a run."""
+def format_beta_table(rows: list[dict], summed: bool = False) -> str:
+    """The per-β table as printed at the end of a run; `summed`: the losses are sums over their
+    samples (optim.reduction=sum), said under the table when it has a validation loss."""
     depth, width, lr = "num_layers" in rows[0], "dim" in rows[0], "lr" in rows[0]
     header = (
         ("   L " if depth else "")
@@ -369,5 +370,10 @@ def format_beta_table(rows: list[dict]) -> str:
     if undefined:
         lines.append(
             "steps<thr '-': a run of the row starts at or below the threshold, or never reaches it"
+        )
+    if summed and any(np.isfinite(row["final_val_loss"]) for row in rows):
+        lines.append(
+            "final loss and final val are sums over the training and the validation samples "
+            "(optim.reduction=sum), sets of different sizes: compare them per sample"
         )
     return "\n".join(lines)

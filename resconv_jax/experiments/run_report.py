@@ -47,7 +47,8 @@ def _write_one(workdir: epath.Path, config: dict, threshold: float, floor: float
     if not history:
         return []
     rows = figures.write_reports(workdir, history, threshold, floor)
-    tables = [figures.format_beta_table(rows)] if len(rows) > 1 else []
+    summed = config.get("optim", {}).get("reduction", "sum") == "sum"
+    tables = [figures.format_beta_table(rows, summed)] if len(rows) > 1 else []
     if any("step_losses" in line for line in history):
         tables.append(descent.write_descent_report(workdir, history))
     if len({line.get("dim") for line in history}) > 1:

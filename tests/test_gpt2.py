@@ -436,3 +436,19 @@ def test_random_init_statistics():
     np.testing.assert_array_equal(params["ln_f"]["bias"], 0)
     _, _, again = weights.load_gpt2("random", num_layers=2, num_classes=3, seed=0, shape=shape)
     np.testing.assert_array_equal(again["wte"]["weight"], params["wte"]["weight"])
+
+
+def test_a_training_set_with_fewer_distinct_prefixes_than_d_is_named_in_the_description():
+    """Two sentences sharing their first two tokens, padding after: 3 + 4 - 2 = 5 distinct
+    prefixes, so at d = 8 the stacked Z has σ_min = 0 by construction and the model says so."""
+    from types import SimpleNamespace
+
+    from resconv_jax.models import gpt2
+
+    ids = np.array([[5, 6, 7, 0, 0], [5, 6, 8, 9, 0]], np.int32)
+    mask = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0]], np.int32)
+    assert gpt2.distinct_prefixes(ids, mask, enough=100) == 5
+    assert gpt2.distinct_prefixes(ids, mask, enough=4) == 4
+    data = SimpleNamespace(x_train={"ids": ids, "mask": mask})
+    assert "5 distinct token prefixes < d=8" in gpt2._rank_note(data, 8)
+    assert gpt2._rank_note(data, 5) == ""

@@ -39,6 +39,32 @@ def describe_sizes(model_cfg) -> str:
     return f", GPT-2 ({kind})"
 
 
+def distinct_prefixes(ids: np.ndarray, mask: np.ndarray, enough: int) -> int:
+    """Distinct token prefixes among the real tokens of ids, mask (P, T) (right-padded), counted
+    up to `enough`. A causal model gives two tokens with the same prefix the same row of Z, so
+    this bounds the rank of the stacked Z over real tokens."""
+    seen: set[bytes] = set()
+    for row, length in zip(ids, mask.sum(axis=1), strict=True):
+        seen.update(row[: t + 1].tobytes() for t in range(int(length)))
+        if len(seen) >= enough:
+            break
+    return min(len(seen), enough)
+
+
+def _rank_note(dataset, d: int) -> str:
+    """'' or, when the training set's stacked Z cannot have rank d, the note that says so."""
+    distinct = distinct_prefixes(
+        np.asarray(dataset.x_train["ids"]), np.asarray(dataset.x_train["mask"]), d
+    )
+    if distinct >= d:
+        return ""
+    return (
+        f"; note: the training set has {distinct} distinct token prefixes < d={d}, so the "
+        "stacked Z over its real tokens has σ_min(Z) = 0 by construction and σ_min(Z)/‖Z‖_F "
+        "measures rounding, not conditioning (more sentences: data.num_train)"
+    )
+
+
 def _forward(graphdef, params, inputs, settings: RunSettings, *, return_intermediates=False):
     return modeling.apply(
         graphdef, params, inputs, *settings, return_intermediates=return_intermediates
@@ -74,5 +100,6 @@ def build(model_cfg, dataset) -> Model:
         description=(
             f"GPT-2 {origin}: first {cfg.num_layers} of {cfg.n_layer} blocks, d={cfg.n_embd}, "
             f"{cfg.n_head} heads, a ({cfg.n_embd}, {num_classes}) head drawn from each run's seed"
+            + _rank_note(dataset, cfg.n_embd)
         ),
     )

@@ -407,7 +407,7 @@ def test_the_report_names_the_cpu_and_the_cores_this_process_may_use(monkeypatch
 
 def depth_history(cells) -> list[dict]:
     """Metrics lines of one run per (L, β_a, β_f) in `cells`, each descending at its own rate
-    (β_f = 1 three times faster), with layer 0's σ(Z) logged."""
+    (β_f = 1 three times faster), with layer 0's σ(Z) logged (its own per run)."""
     lines = []
     for run, (layers, beta_attn, beta_ffn) in enumerate(cells):
         rate = 0.01 * (1 + beta_attn) * (3 if beta_ffn else 1)
@@ -415,7 +415,8 @@ def depth_history(cells) -> list[dict]:
             lines.append({"run": run, "seed": 0, "lr": 1e-3, "num_layers": layers,
                           "beta_attn": beta_attn, "beta_ffn": beta_ffn, "step": step,
                           "loss": float(np.exp(-rate * step)) + 1e-3,
-                          "layer0/z/sigma_min": 1.0, "layer0/z/sigma_max": 2.0})  # fmt: skip
+                          "layer0/z/sigma_min": 1.0 + 0.1 * run,
+                          "layer0/z/sigma_max": 2.0})  # fmt: skip
     return lines
 
 

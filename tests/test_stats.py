@@ -20,6 +20,28 @@ def test_tau_b_with_ties_equals_scipy():
     np.testing.assert_allclose(st.pooled_tau(x, y), expected, atol=1e-12)
 
 
+def test_tau_b_by_levels_equals_the_pairwise_signs_to_the_bit(monkeypatch):
+    """The one-hot product that large permutation tests take gives the same τ-b, bit for bit,
+    as the pairwise signs: ties in x and in y, a constant row, a constant y, a NaN in y."""
+    rng = np.random.default_rng(5)
+    cases = []
+    for n, levels in ((12, 3), (40, 5), (33, 1), (50, 16)):
+        base = rng.choice(np.linspace(0.0, 1.0, levels), n)
+        x = np.array([rng.permutation(base) for _ in range(300)])
+        x[0] = 0.25  # a constant row
+        for y in (rng.standard_normal(n), rng.integers(0, 4, n).astype(float), np.ones(n)):
+            cases.append((x, y))
+        y = rng.standard_normal(n)
+        y[3] = np.nan
+        cases.append((x, y))
+    pairwise = [st.tau_b(x, y) for x, y in cases]  # small K·n²: the pairwise path
+    monkeypatch.setattr(st, "LEVELS_MIN_RUNS", 0)
+    monkeypatch.setattr(st, "LEVELS_MIN_PAIRS", 0)
+    assert st._levels(cases[0][0]) is not None
+    for (x, y), expected in zip(cases, pairwise, strict=True):
+        np.testing.assert_array_equal(st.tau_b(x, y), expected)
+
+
 def test_tau_b_of_a_constant_is_undefined_as_in_scipy_and_so_is_its_test():
     x, y = np.array([[0.0, 0.5, 1.0, 0.0, 0.5, 1.0]]), np.full(6, 300.0)
     assert math.isnan(stats.kendalltau(x[0], y).statistic)

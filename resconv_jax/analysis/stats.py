@@ -44,15 +44,55 @@ def kendall(x, y) -> tuple[float, float]:
     return float(result.statistic), float(result.pvalue)
 
 
+# `tau_b` of x (K, n) with at most MAX_LEVELS distinct values (a permutation test's β levels),
+# n ≥ LEVELS_MIN_RUNS and K·n² ≥ LEVELS_MIN_PAIRS takes `_levels_concordance`: the same integers
+# as the pairwise signs, whose K·n² memory traffic dominates there (5.3 s against 0.21 s at
+# K = 20,000, n = 50; at n = 15 the pairwise signs are faster).
+MAX_LEVELS, LEVELS_MIN_RUNS, LEVELS_MIN_PAIRS = 16, 32, 1 << 20
+
+
+def _levels(x: np.ndarray) -> np.ndarray | None:
+    """The sorted distinct values of x (K, n) when `tau_b` should take `_levels_concordance`."""
+    rows, n = x.shape
+    if n < LEVELS_MIN_RUNS or rows * n * n < LEVELS_MIN_PAIRS:
+        return None
+    levels = np.unique(x)
+    return levels if levels.size <= MAX_LEVELS and np.isfinite(levels).all() else None
+
+
 def tau_b(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Kendall's τ-b of each row of x (K, n) against y (n,) (scipy's statistic, vectorized;
     NaN, as scipy's, for a row or a y that is constant)."""
-    dx = np.sign(x[:, :, None] - x[:, None, :], dtype=np.float32)
-    dy = np.sign(y[:, None] - y[None, :]).astype(np.float32)
-    concordance = np.einsum("kij,ij->k", dx, dy, dtype=np.float64)  # every pair counted twice
-    untied = np.count_nonzero(dx, axis=(1, 2)) * float(np.count_nonzero(dy))
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    dy = np.sign(y[:, None] - y[None, :])
+    if (levels := _levels(x)) is not None:
+        concordance, untied_x = _levels_concordance(x, dy, levels)
+    else:
+        dx = np.sign(x[:, :, None] - x[:, None, :], dtype=np.float32)
+        concordance = np.einsum("kij,ij->k", dx, dy.astype(np.float32), dtype=np.float64)
+        untied_x = np.count_nonzero(dx, axis=(1, 2))
+    untied = untied_x * float(np.count_nonzero(dy))  # every pair counted twice, as concordance
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(untied > 0, concordance / np.sqrt(untied), np.nan)
+
+
+def _levels_concordance(x: np.ndarray, dy: np.ndarray, levels: np.ndarray):
+    """Σ_ij sign(x_ki − x_kj)·dy_ij and the count of untied (i, j) of each row of x (K, n),
+    whose values are among `levels` (m,): with F = dy·onehot(x_k) (n, m), the sum is
+    Σ_i (F·Aᵀ)[i, level of x_ki], A = sign(level_a − level_b); one matrix product for all rows,
+    in integers (exact in float64), so it equals the pairwise sum."""
+    rows, n = x.shape
+    codes = np.searchsorted(levels, x).T  # (n, K)
+    step = max(1, (1 << 22) // (n * levels.size))  # rows per product: ~32 MiB of one-hots
+    concordance, untied = np.empty(rows), np.empty(rows, np.int64)
+    sign = np.sign(levels[:, None] - levels[None, :])
+    for start in range(0, rows, step):
+        onehot = (codes[:, start : start + step, None] == np.arange(levels.size)).astype(float)
+        f = (dy @ onehot.reshape(n, -1)).reshape(onehot.shape)  # (n, k, m)
+        concordance[start : start + step] = np.einsum("ika,ika->k", onehot, f @ sign.T)
+        counts = onehot.sum(axis=0).astype(np.int64)  # (k, m)
+        untied[start : start + step] = n * n - np.sum(counts**2, axis=1)
+    return concordance, untied
 
 
 def stratified_p_value(betas, steps, seeds, *, permutations: int = 5000) -> float:

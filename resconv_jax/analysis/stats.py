@@ -166,12 +166,13 @@ def _within_strata(x: np.ndarray, strata: np.ndarray, *, max_exact: int, draws: 
     groups = [np.flatnonzero(strata == s) for s in np.unique(strata)]
     if permutation_count(strata) <= max_exact:
         orders = [np.array(list(itertools.permutations(range(g.size)))) for g in groups]
-        combos = itertools.product(*(range(len(o)) for o in orders))
-        while chunk := list(itertools.islice(combos, 20_000)):
-            picks = np.array(chunk)
-            out = np.repeat(x[None], len(chunk), axis=0)
-            for k, (g, o) in enumerate(zip(groups, orders, strict=True)):
-                out[:, g] = x[g][o[picks[:, k]]]
+        total = math.prod(len(o) for o in orders)
+        for start in range(0, total, 20_000):  # the combinations in itertools.product's order
+            picks = np.unravel_index(np.arange(start, min(start + 20_000, total)),
+                                     [len(o) for o in orders])  # fmt: skip
+            out = np.repeat(x[None], picks[0].size, axis=0)
+            for g, o, pick in zip(groups, orders, picks, strict=True):
+                out[:, g] = x[g][o[pick]]
             yield out
         return
     rng = np.random.default_rng(seed)

@@ -64,6 +64,7 @@ def _frozen() -> None:
 _frozen()
 
 EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_BUSY, EXIT_WRITE_FAILED, EXIT_LOST_PROCESS = 1, 2, 3, 4, 5
+EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT), as a shell reports it
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to an ml_collections config file.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics); resumes.")
@@ -171,6 +172,15 @@ def main(argv: list[str]) -> None:
             _exit_now(status)
         _watchdog_finish(status)
         raise
+    except KeyboardInterrupt:  # Ctrl-C: one line; at once, as for a failed write (Orbax's threads)
+        with contextlib.suppress(OSError):
+            print(
+                "error: interrupted (Ctrl-C); the last checkpoint and the metrics lines before "
+                "it are kept: rerun the same command to resume",
+                file=sys.stderr,
+                flush=True,
+            )
+        _exit_now(EXIT_INTERRUPTED)
     except Exception:
         if _watchdog is None:
             raise

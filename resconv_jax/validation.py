@@ -202,8 +202,11 @@ def check_workdir(workdir: str, *, checkpoints: bool = True) -> None:
     An object-storage URL (gs://, s3://) is checked without writing: that its store can be
     reached (its client installed) and that the URL is not an object; a store that refuses
     writes is found at the first write (exit status 4). With `checkpoints`, only gs:// is
-    accepted: Orbax writes checkpoints to local folders and GCS only.
+    accepted: Orbax writes checkpoints to local folders and GCS only. An empty one is refused
+    (it would mean the current folder).
     """
+    if not str(workdir).strip():
+        raise ConfigError("--workdir is empty: give the run's folder (--workdir=.: this one)")
     if not wd.is_local(workdir):
         if checkpoints and not str(workdir).startswith("gs://"):
             raise ConfigError(

@@ -16,7 +16,7 @@ import sys
 from etils import epath
 
 from resconv_jax.analysis.summary import fit_floor
-from resconv_jax.errors import WorkdirBusy
+from resconv_jax.errors import WorkdirBusy, WorkdirWriteError
 from resconv_jax.experiments import classification, conditioning, depth, descent, figures
 from resconv_jax.runtime import workdir as wd
 from resconv_jax.runtime.metrics import METRICS_FILE, read_metrics
@@ -105,8 +105,8 @@ def _not_a_run(workdir: epath.Path) -> str | None:
 
 
 def main(argv: list[str]) -> int:
-    """The command line: one line and exit status 2 for bad input, 3 for a busy workdir (as
-    main's); 0 with the tables printed."""
+    """The command line: one line and exit status 2 for bad input, 3 for a busy workdir, 4 for
+    a write that failed (as main's); 0 with the tables printed."""
     if len(argv) == 2 and argv[1] in ("-h", "--help"):
         print(USAGE)
         return 0
@@ -123,6 +123,9 @@ def main(argv: list[str]) -> int:
     except WorkdirBusy as error:
         print(f"error: {error}", file=sys.stderr)
         return 3
+    except WorkdirWriteError as error:  # a figure or table that cannot be written
+        print(f"error: {error}", file=sys.stderr)
+        return 4
     except (ValueError, KeyError, TypeError) as error:  # ConfigError, or lines of another kind
         problem = f"{workdir}: cannot report this run ({type(error).__name__}: {error})"
     print(f"error: {problem}", file=sys.stderr)

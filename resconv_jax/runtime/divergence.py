@@ -75,6 +75,11 @@ def diverged_message(
         text += "no checkpoint yet; "
     stable, source = stable_lrs()
     stable = np.asarray(stable, float)[bad]
+    if not np.isfinite(stable).all():  # λ_max(K) itself is not finite: no step size helps
+        return text + (
+            f"2/lambda_max(K) is not finite ({source}), so no smaller step size would help: "
+            "check the data and the weights (a non-finite value in either)"
+        )
     worst = runs[int(bad[np.argmin(stable)])].index
     suggestion = 0.5 * float(np.min(stable))
     option = "--config.sweep.lr values at most " if sweeps_lr else "--config.optim.lr="

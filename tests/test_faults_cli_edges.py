@@ -1,0 +1,58 @@
+"""Bad input and interruptions met by the command lines: an empty --workdir, a report that cannot
+be written, Ctrl-C, and a divergence whose λ_max(K) is itself not finite; each one line and a
+documented exit status."""
+
+import numpy as np
+import pytest
+
+from resconv_jax import main as main_module
+from resconv_jax.errors import ConfigError, WorkdirWriteError
+from resconv_jax.experiments import run_report
+from resconv_jax.validation import check_workdir
+
+
+@pytest.mark.parametrize("workdir", ["", "  "])
+def test_an_empty_workdir_is_refused_not_taken_as_this_folder(workdir):
+    with pytest.raises(ConfigError, match="--workdir is empty"):
+        check_workdir(workdir)
+
+
+def test_a_report_that_cannot_be_written_is_one_line_status_4(tmp_path, capsys, monkeypatch):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "metrics.jsonl").write_text(
+        '{"step": 0, "run": 0, "seed": 0, "lr": 0.1, "beta_attn": 1.0, "beta_ffn": 1.0, '
+        '"loss": 1.0}\n'
+    )
+
+    def full_disk(workdir):
+        raise WorkdirWriteError(f"cannot write {workdir}/training.png (No space left on device)")
+
+    monkeypatch.setattr(run_report, "write_run_report", full_disk)
+    assert run_report.main(["run_report", str(folder)]) == 4
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "No space left on device" in err
+
+
+def test_ctrl_c_is_one_line_and_status_130(capsys, monkeypatch):
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    statuses = []
+    monkeypatch.setattr(main_module, "_main", interrupted)
+    monkeypatch.setattr(main_module, "_exit_now", statuses.append)
+    main_module.main(["main"])
+    err = capsys.readouterr().err
+    assert statuses == [130] and err.count("\n") == 1 and "interrupted (Ctrl-C)" in err
+
+
+def test_a_divergence_with_no_finite_lambda_max_suggests_no_lr():
+    from resconv_jax.runtime.divergence import diverged_message
+    from resconv_jax.sweep import RunSpec
+
+    runs = [RunSpec(r, 0, 0.01, b, b) for r, b in enumerate((0.0, 1.0))]
+    losses = np.array([[np.nan, np.nan]])
+    message = diverged_message(
+        losses, 0, runs, [], [], "/ckpt", lambda: (np.array([np.nan, np.nan]), "t"), False
+    )
+    assert "lr=nan" not in message and "2/lambda_max(K) is not finite" in message

@@ -267,6 +267,24 @@ def test_n_head_that_does_not_divide_n_embd_is_refused(tmp_path, tensors):
         load(save_checkpoint(tmp_path, tensors, config=config), num_layers=2)
 
 
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        ([1, 2], "expected a JSON object, got a list"),
+        (HF_CONFIG | {"n_embd": "16"}, "n_embd='16': expected a positive integer"),
+        (HF_CONFIG | {"n_head": 0}, "n_head=0: expected a positive integer"),
+        (HF_CONFIG | {"layer_norm_epsilon": "x"}, "layer_norm_epsilon='x': expected a positive"),
+        (HF_CONFIG | {"layer_norm_epsilon": -1}, "layer_norm_epsilon=-1: expected a positive"),
+    ],
+)
+def test_a_malformed_config_json_is_one_line(tmp_path, tensors, config, match):
+    """Each of these was a traceback (AttributeError, TypeError, ZeroDivisionError) or, for a
+    negative ε, a NaN loss reported as a divergence."""
+    folder = save_checkpoint(tmp_path, tensors)
+    (folder / weights.CONFIG_FILE).write_text(json.dumps(config))
+    one_line_error(weights.WeightsError, match, load, folder, num_layers=2)
+
+
 def test_blocks_beyond_the_truncation_are_not_read(tmp_path, tensors):
     bad = dict(tensors)
     bad["h.2.mlp.c_fc.weight"] = np.zeros((3, 3), np.float32)

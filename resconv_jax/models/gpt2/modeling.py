@@ -62,12 +62,31 @@ class GPT2Config:
     ) -> GPT2Config:
         """The config of a Hugging Face `config.json` (a dict), truncated to `num_layers` blocks.
 
-        Options that change GPT-2's equations are refused rather than silently ignored.
+        Options that change GPT-2's equations are refused rather than silently ignored, and so
+        are sizes that are not positive integers (ValueError, one line).
         """
+        if not isinstance(hf_config, dict):
+            raise ValueError(f"expected a JSON object, got a {type(hf_config).__name__}")
         _check_supported(hf_config)
         names = ("vocab_size", "n_positions", "n_embd", "n_head", "n_layer", "layer_norm_epsilon")
         sizes = {name: hf_config[name] for name in names if name in hf_config}
+        _check_sizes(sizes)
         return cls(**sizes, num_layers=num_layers, num_classes=num_classes, dtype=dtype)
+
+
+def _check_sizes(sizes: dict) -> None:
+    """One-line ValueError unless every size is a positive integer and layer_norm_epsilon a
+    positive number."""
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            ok = False
+        elif name == "layer_norm_epsilon":
+            ok = math.isfinite(value) and value > 0
+        else:
+            ok = isinstance(value, int) and value > 0
+        if not ok:
+            kind = "number" if name == "layer_norm_epsilon" else "integer"
+            raise ValueError(f"{name}={value!r}: expected a positive {kind}")
 
 
 def _check_supported(hf_config: dict) -> None:

@@ -46,9 +46,10 @@ def plot_errors(history: list[dict], path: str) -> None:
     """Training loss (log scale) and training error (—) / validation error (⋯) against step."""
     fig, (ax_loss, ax_error) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=DPI)
     runs = first_lines(history)
+    swept = lr_swept(runs)
     colors = plt.cm.viridis(np.linspace(0, 0.9, max(len(runs), 1)))
     for color, run in zip(colors, runs, strict=True):
-        label = f"{beta_label(run, lr_swept(runs))}, seed {run['seed']}"
+        label = f"{beta_label(run, swept)}, seed {run['seed']}"
         ax_loss.semilogy(*series(history, run["run"], "loss"), color=color, label=label)
         ax_error.plot(*series(history, run["run"], "error"), color=color, label=label)
         steps, val = series(history, run["run"], "val_error")
@@ -65,8 +66,9 @@ def accuracy_rows(history: list[dict]) -> list[dict]:
     """One row per (L, lr, β_a, β_f) (lr when swept): final training error and validation
     accuracy, mean over seeds."""
     groups: dict[tuple, list[dict]] = {}
-    swept = lr_swept(first_lines(history))
-    for run in first_lines(history):
+    runs = first_lines(history)
+    swept = lr_swept(runs)
+    for run in runs:
         error = series(history, run["run"], "error")[1]
         val = series(history, run["run"], "val_error")[1]
         groups.setdefault(group_key(run, swept), []).append(

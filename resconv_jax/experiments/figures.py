@@ -207,11 +207,13 @@ def loss_by_beta_figure(history: list[dict], threshold: float):
     """The figure of `plot_loss_by_beta` (not saved)."""
     curves: dict[tuple, list[np.ndarray]] = {}
     labels, steps, reached = {}, None, []
-    swept = lr_swept(first_lines(history))
-    for run in first_lines(history):
+    runs = first_lines(history)
+    swept = lr_swept(runs)
+    for run in runs:
         steps, losses = series(history, run["run"], "loss")
-        curves.setdefault(group_key(run, swept), []).append(losses)
-        labels.setdefault(group_key(run, swept), beta_label(run, swept))
+        key = group_key(run, swept)
+        curves.setdefault(key, []).append(losses)
+        labels.setdefault(key, beta_label(run, swept))
         if threshold:
             reached.append(steps_to_threshold(steps, losses, threshold))
     colors = group_colors(curves)

@@ -8,18 +8,15 @@ data, memory, a workdir holding another run) is checked before the first write i
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
-import shutil
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from etils import epath
-from jax.experimental import multihost_utils
 
 from resconv_jax import sharding
 from resconv_jax.analysis import probe
@@ -50,8 +47,6 @@ from resconv_jax.runtime.metrics import (
 )
 from resconv_jax.runtime.workdir import (
     CONFIG_FILE,
-    LOCK_FILE,
-    WorkdirBusy,
     WorkdirLock,
     WorkdirWriteError,
     atomic_open,
@@ -60,6 +55,7 @@ from resconv_jax.runtime.workdir import (
     read_saved_config,
     write_json,
 )
+from resconv_jax.runtime.workdir_start import lock_on_process_0, remove_untrained_workdir
 from resconv_jax.step import (
     init_opt_state,
     is_classification,
@@ -145,43 +141,6 @@ def _check_resumable(config, workdir: epath.Path) -> dict:
     return config_json
 
 
-def _lock_on_process_0(workdir: str, lock: WorkdirLock) -> None:
-    """Process 0 creates the workdir and takes its lock; every process learns whether that
-    worked, so that a busy or unwritable workdir stops all of them (with process 0's line)."""
-    failure = None
-    if jax.process_index() == 0:
-        try:
-            make_folder(workdir, f"--workdir={workdir}")
-            lock.acquire()
-        except (WorkdirBusy, WorkdirWriteError) as error:
-            failure = error
-    if jax.process_count() > 1:
-        code = {None: 0, WorkdirBusy: 1, WorkdirWriteError: 2}[type(failure) if failure else None]
-        code = int(multihost_utils.broadcast_one_to_all(np.int32(code)))
-        if code and failure is None:
-            kind = WorkdirBusy if code == 1 else WorkdirWriteError
-            failure = kind(f"--workdir={workdir}: process 0 could not take the workdir")
-    if failure is not None:
-        raise failure
-
-
-def _remove_new_workdir(workdir: epath.Path) -> None:
-    """Deletes a workdir this process created if nothing was trained in it: no metrics line and
-    no checkpoint anywhere (a depth sweep's layers_<L>/ included), so a refused start leaves no
-    trace. Called with the lock held, so no other start can begin in the folder meanwhile.
-    Object storage: the lock object stays, for `WorkdirLock.release` to delete last."""
-    for folder, subfolders, files in workdir.walk():
-        if METRICS_FILE in files or (folder.name == "checkpoints" and subfolders):
-            return
-    if wd.is_local(workdir):  # the flock outlives the lock file's name
-        shutil.rmtree(workdir, ignore_errors=True)
-        return
-    with contextlib.suppress(Exception):  # best effort, as shutil's ignore_errors
-        for entry in workdir.iterdir():
-            if entry.name != LOCK_FILE:
-                entry.rmtree() if entry.is_dir() else entry.unlink()
-
-
 def run(config, workdir: str) -> list[dict]:
     """Trains every run of `config`'s sweep in `workdir` (resuming there if possible).
 
@@ -215,14 +174,14 @@ def run(config, workdir: str) -> list[dict]:
         _stop_before_training("loading the data")
         created = not wd.path(workdir).exists()
         lock = WorkdirLock(workdir)
-        _lock_on_process_0(workdir, lock)
+        lock_on_process_0(workdir, lock)
         try:
             if len(groups) == 1:
                 return _run_locked(config, wd.path(workdir), dataset, groups[0][1])
             return _run_groups(config, wd.path(workdir), dataset, groups)
         except (ValueError, Preempted):  # ConfigError, data or weights errors: nothing kept
             if created and jax.process_index() == 0:
-                _remove_new_workdir(wd.path(workdir))  # under the lock: no other start in between
+                remove_untrained_workdir(wd.path(workdir))  # under the lock: no start between
             raise
         finally:
             lock.release()

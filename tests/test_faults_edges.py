@@ -128,9 +128,9 @@ def test_a_refused_new_workdir_is_removed_while_its_lock_is_still_held(tmp_path,
         seen.append(os.fspath(path))
         remove_new_workdir(path)
 
-    remove_new_workdir = train._remove_new_workdir
+    remove_new_workdir = train.remove_untrained_workdir
     monkeypatch.setattr(train, "_run_locked", refuse)
-    monkeypatch.setattr(train, "_remove_new_workdir", removing)
+    monkeypatch.setattr(train, "remove_untrained_workdir", removing)
     with pytest.raises(ConfigError, match="refused after the lock"):
         train.run(tiny(**{"train.num_steps": 10}), workdir)
     assert seen == [workdir]

@@ -165,8 +165,8 @@ def run(config, workdir: str) -> list[dict]:
         if shapes is not None:
             _check_model_size(config, shapes, groups)
         model_kind = model_module(config.model.name)
-        if hasattr(model_kind, "check_available"):
-            model_kind.check_available(config.model)  # missing weights: one line, before the rest
+        if hasattr(model_kind, "check_available"):  # missing weights: one line, before the rest
+            model_kind.check_available(config.model, _deepest(config))
         # A width sweep draws each width's own data (`_run_groups`), never data.dim's.
         dataset = None if config.sweep.dim else load_dataset(config)
         if shapes is None:
@@ -208,9 +208,14 @@ def _check_model_size(config, shapes: dict[str, int], groups) -> None:
     check_size(
         config.model,
         **shapes,
-        num_layers=max(config.sweep.num_layers, default=config.model.num_layers),
+        num_layers=_deepest(config),
         runs=max(len(runs) for _, runs in groups),
     )
+
+
+def _deepest(config) -> int:
+    """The largest L that `config` trains."""
+    return max(config.sweep.num_layers, default=config.model.num_layers)
 
 
 def _build(config, parts: _Parts, runs) -> Program:

@@ -316,3 +316,34 @@ def test_the_sst2_claims_refuse_runs_that_differ_in_lr(tmp_path):
     for claim in (classification.sst2_ordering(tmp_path),
                   sst2_seeds.sst2_ordering_with_seeds(tmp_path)):  # fmt: skip
         assert claim.verdict == NOT_RUN and "differ in lr (0.0001, 0.0002)" in claim.note
+
+
+def test_a_depth_sweep_checks_the_deepest_blocks_before_training_the_first(tmp_path):
+    """A checkpoint missing a tensor of block 2, swept at L ∈ {1, 3}: one line before anything
+    is trained or written (it used to train L = 1, write layers_1/, then stop at L = 3)."""
+    from safetensors.numpy import save_file
+
+    from resconv_jax import train
+    from resconv_jax.config_defaults import load_config_file
+    from resconv_jax.errors import WeightsError
+    from resconv_jax.models.gpt2 import weights
+
+    shape = {"n_embd": 16, "n_head": 2, "n_layer": 3, "n_positions": 64, "vocab_size": 50257}
+    _, _, params = weights.load_gpt2("random", num_layers=3, num_classes=2, seed=0, shape=shape)
+    tensors = {
+        f"transformer.{key}": np.asarray(value)
+        for key, value in weights._flatten(params).items()
+        if not key.startswith("head.") and key != "h.2.mlp.c_fc.weight"
+    }
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    save_file(tensors, str(folder / weights.WEIGHTS_FILE))
+    (folder / weights.CONFIG_FILE).write_text(json.dumps(shape))
+    config = load_config_file(
+        os.path.join(os.path.dirname(__file__), "..", "configs", "sst2.py"),
+        **{"model.gpt2.weights": str(folder), "sweep.num_layers": (1, 3), "data.num_train": 8,
+           "data.max_tokens": 8, "data.num_val": 8, "train.num_steps": 2},
+    )  # fmt: skip
+    with pytest.raises(WeightsError, match=r"missing: h\.2\.mlp\.c_fc\.weight"):
+        train.run(config, str(tmp_path / "w"))
+    assert not (tmp_path / "w").exists()

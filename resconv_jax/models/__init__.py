@@ -5,7 +5,8 @@ folder), which provides
     build(model_cfg, dataset) -> Model   (`interface.Model`), for the data's shapes
 
 and may provide `validate(model_cfg)` (ConfigError for a value it cannot run), `check_available(
-model_cfg)` (weights it needs, found before anything else) and `check_size(model_cfg, **shapes)`
+model_cfg, num_layers)` (weights it needs for the sweep's deepest L, checked before anything
+else) and `check_size(model_cfg, **shapes)`
 (a size that cannot fit, refused from the shapes). `model_cfg` is the whole `config.model`
 section: the shared fields (name, num_layers, dtype, beta_attn, beta_ffn) and every model's own
 section. Adding a model is one new module here; no list elsewhere changes.

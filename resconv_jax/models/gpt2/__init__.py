@@ -27,10 +27,11 @@ def default_config() -> ml_collections.ConfigDict:
     return c
 
 
-def check_available(model_cfg) -> None:
-    """WeightsError (one line) when the named weights cannot be found: before any other work."""
+def check_available(model_cfg, num_layers: int) -> None:
+    """WeightsError (one line) when the named weights cannot be found, or lack a tensor of the
+    first `num_layers` blocks (the sweep's deepest L): before any other work."""
     if model_cfg[NAME].weights != "random":
-        weights.find_weights(model_cfg[NAME].weights)
+        weights.check_fits(model_cfg[NAME].weights, num_layers)
 
 
 def describe_sizes(model_cfg) -> str:

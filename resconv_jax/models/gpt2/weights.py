@@ -190,10 +190,24 @@ def _download(repo_id: str, cache_dir: str | None, *, local_files_only: bool) ->
     return Path(paths[0]).parent
 
 
-def _load_folder(
-    folder: Path, num_layers: int, num_classes: int, seed: int, shape: dict, dtype: str
-) -> tuple[gpt2.GPT2Config, nnx.GraphDef, dict]:
-    """(config, graphdef, params) from a Hugging Face folder: body from the file, head fresh."""
+def check_fits(source: str, num_layers: int, cache_dir: str | None = None) -> None:
+    """WeightsError unless `source` (a folder or hub id, not `random`) holds every tensor, in
+    its shape, of GPT-2's first `num_layers` blocks: reads config.json and the safetensors
+    header only, so a depth sweep checks its deepest L before training its first."""
+    folder = find_weights(source, cache_dir)
+    cfg, _, model_shapes = _folder_model(folder, num_layers, num_classes=1, seed=0, shape={})
+    path = folder / WEIGHTS_FILE
+    try:
+        with safetensors.safe_open(path, framework="numpy") as file:
+            _match_keys(_file_shapes(file), model_shapes, cfg, path)
+    except (OSError, safetensors.SafetensorError) as error:
+        raise WeightsError(f"cannot read GPT-2 weights {path}: {one_line(error)}") from None
+
+
+def _folder_model(
+    folder: Path, num_layers: int, num_classes: int, seed: int, shape: dict, dtype="float32"
+) -> tuple[gpt2.GPT2Config, nnx.GraphDef, dict[str, tuple]]:
+    """(config, graphdef, {model path: shape}) of the model of `folder`'s config.json."""
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         if not (folder / name).is_file():
             raise WeightsError(f"GPT-2 weights folder {folder} has no {name}")
@@ -205,7 +219,15 @@ def _load_folder(
     _check_shape_agrees(shape, hf_config, folder)
     abstract = nnx.eval_shape(lambda: gpt2.GPT2Classifier(cfg, rngs=gpt2.make_rngs(seed)))
     graphdef, state = nnx.split(abstract)
-    model_shapes = {path: leaf.shape for path, leaf in _flatten(nnx.to_pure_dict(state)).items()}
+    shapes = {path: leaf.shape for path, leaf in _flatten(nnx.to_pure_dict(state)).items()}
+    return cfg, graphdef, shapes
+
+
+def _load_folder(
+    folder: Path, num_layers: int, num_classes: int, seed: int, shape: dict, dtype: str
+) -> tuple[gpt2.GPT2Config, nnx.GraphDef, dict]:
+    """(config, graphdef, params) from a Hugging Face folder: body from the file, head fresh."""
+    cfg, graphdef, model_shapes = _folder_model(folder, num_layers, num_classes, seed, shape, dtype)
     body = _read_body(folder / WEIGHTS_FILE, model_shapes, cfg)
     flat = {**body, **_flatten({"head": gpt2.init_head(cfg, seed)})}
     logging.info(
@@ -234,13 +256,17 @@ def _read_body(path: Path, model_shapes: dict, cfg: gpt2.GPT2Config) -> dict[str
     """{model path: array in cfg.dtype} for every non-head path, after checking every key."""
     try:
         with safetensors.safe_open(path, framework="numpy") as file:
-            file_shapes = {key: tuple(file.get_slice(key).get_shape()) for key in file.keys()}
-            plan = _match_keys(file_shapes, model_shapes, cfg, path)
+            plan = _match_keys(_file_shapes(file), model_shapes, cfg, path)
             return {
                 dest: jnp.asarray(file.get_tensor(key), cfg.dtype) for dest, key in plan.items()
             }
     except (OSError, safetensors.SafetensorError) as error:
         raise WeightsError(f"cannot read GPT-2 weights {path}: {one_line(error)}") from None
+
+
+def _file_shapes(file) -> dict[str, tuple]:
+    """{checkpoint key: shape} of an open safetensors file, from its header."""
+    return {key: tuple(file.get_slice(key).get_shape()) for key in file.keys()}
 
 
 def _model_path(name: str) -> str | None:

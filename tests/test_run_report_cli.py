@@ -2,6 +2,7 @@
 input that is not a finished or running run's folder."""
 
 import json
+import os
 
 import pytest
 
@@ -36,9 +37,13 @@ def _run_folder(folder):
     ],
 )
 def test_bad_input_is_one_line_status_2(tmp_path, capsys, make, status, expected):
-    code, out, err = run_report(capsys, make(tmp_path))
+    """...and leaves the folder as it was (lines of another kind used to leave a new .lock)."""
+    folder = make(tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    code, out, err = run_report(capsys, folder)
     assert code == status and out == ""
     assert err.strip().splitlines() == [err.strip()] and expected in err
+    assert sorted(os.listdir(tmp_path)) == before
 
 
 def test_no_argument_is_status_2_and_help_is_0(capsys):

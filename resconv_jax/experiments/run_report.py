@@ -82,6 +82,7 @@ def write_run_report(workdir) -> list[str]:
         lock.release()
 
 
+RUN_LINE_KEYS = ("run", "seed", "lr", "beta_attn", "beta_ffn", "loss")  # besides "step"
 USAGE = "usage: python -m resconv_jax.experiments.run_report WORKDIR (a run's folder, from main)"
 
 
@@ -99,8 +100,16 @@ def _not_a_run(workdir: epath.Path) -> str | None:
         )
     if not (workdir / METRICS_FILE).exists():
         return f"{workdir}: not a run's folder (no {METRICS_FILE}; main writes one)"
-    if not read_metrics(workdir):
+    lines = read_metrics(workdir)
+    if not lines:
         return f"{workdir / METRICS_FILE}: holds no valid metrics line"
+    for number, line in enumerate(lines, 1):
+        lacking = [key for key in RUN_LINE_KEYS if key not in line]
+        if lacking:
+            return (
+                f"{workdir}: cannot report this run ({METRICS_FILE} line {number} has no "
+                f"{', '.join(lacking)}: not a line of main's)"
+            )
     return None
 
 

@@ -225,7 +225,7 @@ def test_missing_config_json_is_checked_against_the_checkpoint(tmp_path):
     os.remove(tmp_path / CONFIG_FILE)
     before = sorted(os.listdir(tmp_path))
     with pytest.raises(
-        ConfigError, match=r"optim.lr: 0.004 -> 0.003, per the checkpoint of step 30"
+        ConfigError, match=r"optim.lr: 0.004 -> 0.003; per the checkpoint of step 30"
     ):
         train.run(tiny(**{"optim.lr": 0.003}), str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == before

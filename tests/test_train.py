@@ -209,6 +209,20 @@ def test_resume_refuses_a_different_config(tmp_path):
         train.run(tiny(**{"train.num_steps": 10, "optim.lr": 0.001}), str(tmp_path))
 
 
+def test_the_other_config_refusal_names_every_changed_field():
+    """It named only the first in key order, which could be a trivial one (a cache path)."""
+    from resconv_jax.runtime.workdir import check_same_run
+
+    saved = {"data": {"cache_dir": None}, "optim": {"lr": 0.1}, "train": {"num_steps": 10}}
+    current = {"data": {"cache_dir": ""}, "optim": {"lr": 0.2}, "train": {"num_steps": 20}}
+    with pytest.raises(ConfigError) as error:
+        check_same_run("w", saved, current, "w/config.json", defaults={})
+    assert "(data.cache_dir: None -> '', optim.lr: 0.1 -> 0.2; per w/config.json)" in str(error)
+    many = {"optim": {f"k{i}": i for i in range(8)}}
+    with pytest.raises(ConfigError, match=r"optim.k5: None -> 5 and 2 more; per"):
+        check_same_run("w", {}, many, "w/config.json", defaults={})
+
+
 @pytest.mark.slow
 def test_short_jena_run_writes_figures_and_table(tmp_path):
     jena = os.path.join(os.path.dirname(TINY), "jena.py")

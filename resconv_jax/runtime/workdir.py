@@ -359,8 +359,9 @@ def check_same_run(workdir: str, saved: dict, current: dict, where: str, default
         if saved.get(k) != current.get(k) and k not in RESUMABLE_CHANGES
     ]
     if changed:
-        k = changed[0]
+        named = ", ".join(f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in changed[:6])
+        more = f" and {len(changed) - 6} more" if len(changed) > 6 else ""
         raise ConfigError(
-            f"--workdir={workdir} holds a run with another config ({k}: {saved.get(k)!r} -> "
-            f"{current.get(k)!r}, per {where}); use a new --workdir"
+            f"--workdir={workdir} holds a run with another config ({named}{more}; per {where}); "
+            "use a new --workdir"
         )

@@ -72,7 +72,7 @@ def test_each_writer_writes_what_its_claim_reads(tmp_path):
     row = depth.multilayer(str(tmp_path))
     assert row.verdict == claims.HOLDS and row.value.startswith("L=1: 1.000, L=2: 1.000"), row
 
-    assert "τ" in descent.write_descent_report(tmp_path, history)
+    assert "τ" in descent.write_descent_report(tmp_path, _one_setting(history))
     row = descent.jena_descent(str(tmp_path))
     assert row.value.startswith("τ = -") and row.verdict in (claims.HOLDS, claims.FAILS), row
 
@@ -84,3 +84,40 @@ def test_each_writer_writes_what_its_claim_reads(tmp_path):
                  classification.ACCURACY_FILE, "rate_scatter.png", "depth_sigma.png",
                  "descent_by_beta.png", "errors.png"):  # fmt: skip
         assert (tmp_path / name).stat().st_size > 0, name
+
+
+def _one_setting(history):
+    """The lines of d = 64, L = 1: runs that differ only in β and seed."""
+    return [line for line in history if line["dim"] == 64 and line["num_layers"] == 1]
+
+
+def _untied(history):
+    return [line | {"beta_ffn": 0.0} for line in _one_setting(history)]
+
+
+def _lr_sweep(history):
+    history = _one_setting(history)
+    runs = 1 + max(line["run"] for line in history)
+    return history + [line | {"run": line["run"] + runs, "lr": 2e-3} for line in history]
+
+
+@pytest.mark.parametrize(
+    "make, reason",
+    [
+        (_untied, "runs set β_a ≠ β_f (β_a=0.5 β_f=0, β_a=1 β_f=0)"),
+        (lambda history: history, "the runs differ in L (1, 2) and d (64, 128) as well as"),
+        (_lr_sweep, "the runs differ in lr (0.001, 0.002) as well as in β and seed"),
+    ],
+)
+def test_the_descent_ordering_is_not_computed_over_runs_that_differ_in_more_than_beta(
+    tmp_path, make, reason
+):
+    """τ(β, steps) ordered runs by β_a and pooled every other setting: β_f = 0 and 1 merged,
+    and an lr or depth sweep ranked against each other as if they were seeds' runs."""
+    history = make(sweep_history())
+    summary = descent.write_descent_report(tmp_path, history)
+    assert "no ordering by β" in summary and reason in summary, summary
+    assert not (tmp_path / "descent_by_beta.png").exists()
+    for claim in (descent.jena_descent, descent.jena_descent_fixed_start):
+        row = claim(str(tmp_path))
+        assert row.verdict == claims.NOT_RUN and reason in row.note, row

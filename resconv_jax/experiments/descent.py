@@ -6,7 +6,9 @@ until L_t ≤ f·L_0, read from the per-step losses that runs log over their fir
 `train.step_losses_until` steps ("step_losses" on each metrics line), per run and seed; the
 ordering by β is Kendall's τ-b between β_a and those steps over all runs (negative τ: larger β
 needs fewer steps), with the two-sided p-value of a permutation test that shuffles β within each
-seed; a run that does not reach the level within the window ranks as the slowest.
+seed; a run that does not reach the level within the window ranks as the slowest. Runs that set
+β_a ≠ β_f, or that differ in L, d or lr as well, get the table but no ordering, and claims 5a and
+5a″ are not run on them (`not_comparable`).
 
 Files: descent_table.csv (per run), descent_by_beta.png (L_t/L_0 over the early window; steps to
 f·L_0 against β per seed).
@@ -21,6 +23,7 @@ import numpy as np
 
 from resconv_jax.analysis import stats
 from resconv_jax.analysis.stats import kendall, stratified_p_value
+from resconv_jax.analysis.summary import lr_swept
 from resconv_jax.experiments import claims
 from resconv_jax.experiments.claims import Claim
 from resconv_jax.experiments.figures import DPI, plt, save_figure
@@ -61,12 +64,36 @@ def descent_rows(history: list[dict]) -> list[dict]:
         first = next(line for line in history if line["run"] == run)
         losses = early_losses(history, run)
         row = {k: first[k] for k in ("run", "seed", "beta_attn", "beta_ffn")}
+        row |= {k: first[k] for k in ("num_layers", "dim", "lr") if k in first}
         row |= {"initial_loss": float(losses[0]) if losses.size else math.nan}
         row["window_steps"] = int(losses.size)
         for f in FRACTIONS:
             row[f"steps_to_{f:g}"] = steps_to_fraction(losses, f)
         rows.append(row)
     return rows
+
+
+def not_comparable(rows: list[dict]) -> str | None:
+    """Why the β ordering is not defined on `rows` (runs that set β_a ≠ β_f, or that differ in
+    L, d or lr as well as in β and seed), or None: τ compares one β for both residuals within
+    seeds, so such runs would be merged under their β_a."""
+    if untied := sorted(
+        {(r["beta_attn"], r["beta_ffn"]) for r in rows if r["beta_attn"] != r["beta_ffn"]}
+    ):
+        pairs = ", ".join(f"β_a={a:g} β_f={f:g}" for a, f in untied)
+        return f"runs set β_a ≠ β_f ({pairs}); the ordering is over one β for both residuals"
+    differ = [
+        f"{name} ({', '.join(f'{v:g}' for v in values)})"
+        for key, name in (("num_layers", "L"), ("dim", "d"), ("lr", "lr"))
+        if len(values := sorted({r[key] for r in rows if r.get(key) is not None})) > 1
+        and (key != "lr" or lr_swept(rows))
+    ]
+    if differ:
+        return (
+            f"the runs differ in {' and '.join(differ)} as well as in β and seed; the ordering "
+            "compares β within one setting"
+        )
+    return None
 
 
 def _censored_steps(row: dict, key: str, window: int) -> float:
@@ -183,6 +210,8 @@ def write_descent_report(workdir, history: list[dict]) -> str:
     workdir = wd.path(workdir)
     rows = descent_rows(history)
     write_csv(workdir / TABLE_FILE, rows)
+    if reason := not_comparable(rows):
+        return f"early descent: per run in {TABLE_FILE}; no ordering by β: {reason}"
     if len({r["beta_attn"] for r in rows}) > 1:
         plot_descent(history, rows, workdir / "descent_by_beta.png")
     return format_ordering(rows)
@@ -211,6 +240,8 @@ def jena_descent(workdir, alpha: float = 0.05, replication: bool = False) -> Cla
     if missing := claims.missing(claim, workdir, TABLE_FILE):
         return missing
     rows = claims.read_csv(wd.path(workdir) / TABLE_FILE)
+    if reason := not_comparable(rows):
+        return dataclasses.replace(claim, note=reason)
     o = ordering(rows)
     value = f"τ = {o['tau']:+.3f}, p = {o['p_value']:.2g} ({o['runs']} runs)"
     seeds = ", ".join(f"seed {s}: {t:+.2f}" for s, t in o["per_seed_tau"].items())
@@ -293,6 +324,8 @@ def jena_descent_fixed_start(workdir, alpha: float = 0.05, replication: bool = F
     if missing := claims.missing(claim, workdir, TABLE_FILE):
         return missing
     rows = claims.read_csv(wd.path(workdir) / TABLE_FILE)
+    if reason := not_comparable(rows):
+        return dataclasses.replace(claim, note=reason)
     o = fixed_start_ordering(rows)
     if not np.isfinite(o["test"].observed):
         return dataclasses.replace(claim, note="too few runs reached the level")

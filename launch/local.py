@@ -134,8 +134,15 @@ def _wait(children: list[subprocess.Popen]) -> int:
     return failure
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """A bad flag is one line and exit status 2, as for main, not the usage and the error."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} ({self.prog} --help)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineErrors(
         prog="python -m launch.local",
         description="Run resconv_jax.main as N local processes (a simulated pod).",
     )

@@ -280,3 +280,21 @@ def test_incomplete_multi_process_flags_are_one_line(tmp_path):
         "detects: TPU, srun, mpirun)"
     ]
     assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--processes=x", "--", "--workdir=w"], "--processes: invalid int value: 'x'"),
+        (["--processes=0", "--", "--workdir=w"], "--processes and --devices_per_process must be"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+        ([], "give main's flags after --"),
+    ],
+)
+def test_launch_flag_errors_are_one_line_status_2(capsys, argv, expected):
+    """They were argparse's usage and error, 5 lines."""
+    with pytest.raises(SystemExit) as stop:
+        local.main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and expected in err, err
+    assert err.startswith("error: ") and "(python -m launch.local --help)" in err

@@ -14,6 +14,8 @@ Every failure is one line on stderr; exit statuses:
      every metrics line before it are intact; free space and rerun the same command
   5  multi-process: another process stopped responding or failed (the line names it); rerun the
      same command on every process to resume from the last checkpoint
+  130  interrupted by Ctrl-C: while starting, nothing was written; later, the last checkpoint
+     and the metrics lines before it are kept: rerun the same command to resume
 """
 
 from __future__ import annotations
@@ -29,6 +31,11 @@ from resconv_jax.runtime import signals
 # Seen from the first moment: a SIGTERM during the imports below stops the run before it starts.
 # (A multi-process run hands SIGTERM back to JAX's preemption notifier once the flags are read.)
 signals.install()
+if __name__ == "__main__":  # until main() starts: Ctrl-C is one line, not a traceback
+    signals.exit_on_interrupt(
+        "error: interrupted (Ctrl-C) while starting; nothing was written",
+        130,  # EXIT_INTERRUPTED
+    )
 # Threaded OpenBLAS inside XLA's own CPU threads slows LAPACK (the probe's QR) ~30x; set first.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 # The imports make objects that live as long as the process: no garbage collection while they
@@ -162,6 +169,7 @@ def _stopped_before_start() -> None:
 
 def main(argv: list[str]) -> None:
     """Every process of a multi-process run tells the others how it ended (`PeerWatchdog`)."""
+    signals.interrupts_raise()
     try:
         _main(argv)
     except SystemExit as exit_:

@@ -2,6 +2,12 @@
 be written, Ctrl-C, and a divergence whose λ_max(K) is itself not finite; each one line and a
 documented exit status."""
 
+import os
+import signal
+import subprocess
+import sys
+import time
+
 import numpy as np
 import pytest
 
@@ -44,6 +50,21 @@ def test_ctrl_c_is_one_line_and_status_130(capsys, monkeypatch):
     main_module.main(["main"])
     err = capsys.readouterr().err
     assert statuses == [130] and err.count("\n") == 1 and "interrupted (Ctrl-C)" in err
+
+
+def test_ctrl_c_during_the_imports_is_one_line_and_status_130(tmp_path):
+    """Python's KeyboardInterrupt traceback before `main` ran; nothing may be written."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "resconv_jax.main", "--config=configs/theory.py",
+         f"--workdir={tmp_path / 'w'}"],
+        cwd=os.path.join(os.path.dirname(__file__), ".."), stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    time.sleep(0.5)  # the imports take seconds
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 130 and err.count("\n") == 1, err
+    assert err.startswith("error: interrupted (Ctrl-C) while starting; nothing was written")
+    assert not (tmp_path / "w").exists()
 
 
 def test_a_divergence_with_no_finite_lambda_max_suggests_no_lr():

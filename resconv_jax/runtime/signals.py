@@ -8,6 +8,7 @@ notifier, and only the signalled process would stop (see multihost.py).
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
@@ -45,3 +46,22 @@ def requested() -> bool:
 def acknowledge() -> None:
     """Marks the pending SIGTERM as handled (the caller stops)."""
     _received.clear()
+
+
+def exit_on_interrupt(message: str, status: int) -> None:
+    """Until `interrupts_raise`: Ctrl-C (SIGINT) writes `message` as one line on stderr and
+    exits with `status` at once. For start-up (the imports, the flags), where Python's
+    KeyboardInterrupt would be a traceback through library code."""
+
+    def stop(signum, frame) -> None:
+        os.write(2, f"{message}\n".encode())
+        os._exit(status)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, stop)
+
+
+def interrupts_raise() -> None:
+    """Ctrl-C raises KeyboardInterrupt again (Python's default)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -77,3 +77,17 @@ def test_a_divergence_with_no_finite_lambda_max_suggests_no_lr():
         losses, 0, runs, [], [], "/ckpt", lambda: (np.array([np.nan, np.nan]), "t"), False
     )
     assert "lr=nan" not in message and "2/lambda_max(K) is not finite" in message
+
+
+def test_an_ignored_sigint_stays_ignored_through_start_up():
+    """A background job of a script (or nohup) ignores SIGINT; start-up must not undo that."""
+    from resconv_jax.runtime import signals
+
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        signals.exit_on_interrupt("x", 130)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        signals.interrupts_raise()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)

@@ -51,17 +51,26 @@ def acknowledge() -> None:
 def exit_on_interrupt(message: str, status: int) -> None:
     """Until `interrupts_raise`: Ctrl-C (SIGINT) writes `message` as one line on stderr and
     exits with `status` at once. For start-up (the imports, the flags), where Python's
-    KeyboardInterrupt would be a traceback through library code."""
+    KeyboardInterrupt would be a traceback through library code. An ignored SIGINT (a
+    background job of a script, nohup) stays ignored."""
 
     def stop(signum, frame) -> None:
         os.write(2, f"{message}\n".encode())
         os._exit(status)
 
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, stop)
+    if _on_main_thread() and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        _interrupt_before.append(signal.signal(signal.SIGINT, stop))
 
 
 def interrupts_raise() -> None:
-    """Ctrl-C raises KeyboardInterrupt again (Python's default)."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    """Puts back the SIGINT handling that `exit_on_interrupt` replaced (Python's
+    KeyboardInterrupt, unless SIGINT was ignored)."""
+    if _on_main_thread() and _interrupt_before:
+        signal.signal(signal.SIGINT, _interrupt_before.pop())
+
+
+def _on_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+_interrupt_before: list = []  # the SIGINT handler that exit_on_interrupt replaced

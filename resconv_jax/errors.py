@@ -47,6 +47,10 @@ class Preempted(RuntimeError):
     """SIGTERM or a pod preemption: the run stopped at a safe point and can be resumed."""
 
 
+class Interrupted(RuntimeError):
+    """Ctrl-C: what was running stopped at a safe point and can be resumed."""
+
+
 def one_line(error: BaseException) -> str:
     """`error`'s message on one line (newlines, escaped ones too, and runs of blanks as one
     space); its class name when the message is empty."""

@@ -23,7 +23,8 @@ found runs its fallback instead (SST-2: the random-init GPT-2), labelled so.
 
 Exit status: 0 when every experiment ran, resumed or was reused, 1 when one could not run (the
 report says which and why), 2 for bad flags or a workdir that cannot be written, 3 when another
-process holds DIR.
+process holds DIR, 130 after Ctrl-C (one line; with --jobs > 1 the running experiments first stop
+at a safe point, a second Ctrl-C stops them at once; rerun the same command to go on).
 """
 
 from __future__ import annotations
@@ -31,10 +32,15 @@ from __future__ import annotations
 import os
 import sys
 
+EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT), as a shell reports it
+
 if __name__ == "__main__":  # before numpy loads OpenBLAS and before the slow imports
     from resconv_jax.runtime import signals
 
     signals.install()
+    signals.exit_on_interrupt(
+        "error: interrupted (Ctrl-C) while starting; nothing was written", EXIT_INTERRUPTED
+    )
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as in main: threaded OpenBLAS slows LAPACK
 
 
@@ -47,6 +53,7 @@ from absl import app, flags, logging  # noqa: E402
 from resconv_jax import experiments  # noqa: E402
 from resconv_jax.analysis import stats  # noqa: E402
 from resconv_jax.errors import (  # noqa: E402
+    Interrupted,
     Preempted,
     WorkdirBusy,
     WorkdirWriteError,
@@ -241,6 +248,9 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str]) -> None:
+    from resconv_jax.runtime import signals
+
+    signals.interrupts_raise()
     if len(argv) > 1:
         exit_with(f"unexpected arguments: {' '.join(argv[1:])}", 2)
     logging.set_verbosity(logging.WARNING)
@@ -264,6 +274,15 @@ def main(argv: list[str]) -> None:
     except Preempted as stop:
         print(f"{stop}; rerun the same reproduce command to go on", flush=True)
         sys.exit(0)
+    except (Interrupted, KeyboardInterrupt) as stop:
+        what = (
+            str(stop)
+            or "interrupted (Ctrl-C); the last checkpoints and the lines before them are kept"
+        )
+        print(f"error: {what}; rerun the same reproduce command to go on", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_INTERRUPTED)  # as after a failed save: Orbax's threads could block exit
     except WorkdirBusy as error:
         exit_with(str(error), 3)
     except (WorkdirWriteError, ValueError) as error:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from resconv_jax import reproduce
-from resconv_jax.errors import Preempted
+from resconv_jax.errors import Interrupted, Preempted
 from resconv_jax.experiments.record import Experiment, scale_variants
 from resconv_jax.reproducing import workers
 from resconv_jax.reproducing.outcomes import finished_before, run_experiment
@@ -87,14 +87,27 @@ def test_two_workers_write_the_same_files_as_one_process(tmp_path):
     assert [o.status for o in run_all(chosen, together)] == ["reused", "reused"]
 
 
+def _ctrl_c(pids: dict) -> None:
+    """What a terminal's Ctrl-C does: SIGINT to the parent and to every worker."""
+    for pid in (os.getpid(), *pids.values()):
+        os.kill(pid, signal.SIGINT)
+
+
 @pytest.mark.slow
-def test_a_sigterm_stops_every_worker_at_a_safe_point(tmp_path):
+@pytest.mark.parametrize(
+    "stop, raised, words",
+    [
+        (lambda pids: os.kill(os.getpid(), signal.SIGTERM), Preempted, "preempted"),
+        (_ctrl_c, Interrupted, r"interrupted \(Ctrl-C\)"),  # was a KeyboardInterrupt traceback
+    ],
+)
+def test_a_sigterm_or_ctrl_c_stops_every_worker_at_a_safe_point(tmp_path, stop, raised, words):
     long = {"train.num_steps": LONG}
     chosen = [experiment(tmp_path, name, **long) for name in ("a", "b", "c")]
     previous = signals.install()
     try:
-        when_training(tmp_path, ["a", "b"], lambda pids: os.kill(os.getpid(), signal.SIGTERM))
-        with pytest.raises(Preempted, match=r"stopped at a safe point .*\(0 of 3 finished\)"):
+        when_training(tmp_path, ["a", "b"], stop)
+        with pytest.raises(raised, match=words + r": .*stopped at a safe point .*\(0 of 3 fini"):
             run_all(chosen, tmp_path)
     finally:
         signals.acknowledge()
@@ -103,7 +116,18 @@ def test_a_sigterm_stops_every_worker_at_a_safe_point(tmp_path):
         log = workers.log_path(str(tmp_path), name).read_text()
         assert re.search(r"preempted at step \d+: checkpoint saved", log), log[-2000:]
         assert any((tmp_path / name / "checkpoints").iterdir())
-    assert not (tmp_path / "c").exists()  # not started after the SIGTERM
+    assert not (tmp_path / "c").exists()  # not started after the signal
+
+
+def test_within_interrupt_as_stop_the_first_ctrl_c_is_a_flag_and_the_second_raises():
+    with signals.interrupt_as_stop():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        assert signals.interrupted()
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 @pytest.mark.slow

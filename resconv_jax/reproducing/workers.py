@@ -13,8 +13,11 @@ others, so two experiments at once finish sooner than one after the other on a 2
 On a GPU the workers share the device: GPU memory is allocated as needed, not preallocated.
 
 A SIGTERM to the parent is passed to the workers: each stops at its next safe point with its
-checkpoint saved, and `Preempted` is raised once all have stopped. A worker that dies (killed,
-out of memory) marks its experiment "not run", naming its log; the others go on.
+checkpoint saved, and `Preempted` is raised once all have stopped. A Ctrl-C does the same and
+raises `Interrupted` (the workers ignore SIGINT: a terminal sends it to all of them, and only the
+parent decides); a second Ctrl-C stops the workers at once (their last checkpoints stay good).
+A worker that dies (killed, out of memory) marks its experiment "not run", naming its log; the
+others go on.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import traceback
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
-from resconv_jax.errors import Preempted
+from resconv_jax.errors import Interrupted, Preempted
 
 LOGS = "logs"
 POLL_SECONDS = 0.5
@@ -69,6 +72,7 @@ def _work(conn: Connection, scale: str, root: str, times: dict, cache: str) -> N
     from resconv_jax.runtime import compile_cache, signals
 
     signals.install()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent passes a Ctrl-C on as SIGTERM
     threading.Thread(target=_stop_when_orphaned, args=(os.getppid(),), daemon=True).start()
     logging.set_verbosity(logging.WARNING)
     compile_cache.enable(cache)
@@ -136,6 +140,12 @@ class _Pool:
             if worker.process.is_alive():
                 os.kill(worker.process.pid, signal.SIGTERM)
 
+    def kill(self) -> None:
+        for worker in self.workers:
+            if worker.process.is_alive():
+                worker.process.kill()
+                worker.process.join()
+
     def close(self, timeout: float = 60.0) -> None:
         """Stops idle workers; waits for the rest (SIGTERM first, then SIGKILL)."""
         for worker in self.workers:
@@ -196,6 +206,14 @@ def longest_first(chosen: tuple, scale: str, times: dict) -> list:
     return sorted(chosen, key=lambda experiment: -expected(experiment))
 
 
+@dataclasses.dataclass
+class _Progress:
+    queue: list  # the Experiments not handed out yet
+    outcomes: dict = dataclasses.field(default_factory=dict)  # name -> Outcome
+    stopped: str = ""  # "preempted" (SIGTERM) or "interrupted" (Ctrl-C)
+    failure: str = ""  # an experiment that raised, and what
+
+
 def run_all(
     chosen: tuple,
     scale: str,
@@ -206,74 +224,95 @@ def run_all(
     on_outcome,
 ) -> list:
     """Runs `chosen` (Experiments) `jobs` at a time; `on_outcome(outcome)` as each finishes;
-    the Outcomes in `chosen`'s order. Raises Preempted after a SIGTERM (every busy worker
-    stopped at a safe point), RuntimeError when a worker's experiment raised something else."""
-    from resconv_jax.reproducing.outcomes import Outcome
+    the Outcomes in `chosen`'s order. Raises Preempted after a SIGTERM and Interrupted after a
+    Ctrl-C (every busy worker stopped at a safe point), RuntimeError when a worker's experiment
+    raised something else."""
     from resconv_jax.runtime import signals
 
     (Path(root) / LOGS).mkdir(parents=True, exist_ok=True)
-    queue = longest_first(chosen, scale, times)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the workers share a GPU
     pool = _Pool((scale, root, times, cache))
-    outcomes, preempted, failure = {}, False, None
+    progress = _Progress(longest_first(chosen, scale, times))
     try:
-        while queue or pool.busy():
-            if signals.requested():
-                signals.acknowledge()
-                preempted = True
-                queue.clear()
-                pool.signal_busy()
-            while queue and not failure:
-                worker = (pool.idle() or [None])[0]
-                if worker is None and len(pool.busy()) < jobs:
-                    worker = pool.start()
-                if worker is None:
-                    break
-                worker.experiment, worker.started = queue.pop(0), time.perf_counter()
-                worker.conn.send(worker.experiment)
-                name = worker.experiment.name
-                print(f"== {name}: {worker.experiment.title} (worker pid {worker.process.pid},"
-                      f" output in {log_path(root, name)})", flush=True)  # fmt: skip
-            busy = pool.busy()
-            ready = wait([w.conn for w in busy] + [w.process.sentinel for w in busy], POLL_SECONDS)
-            for worker in busy:
-                if worker.conn not in ready and worker.process.sentinel not in ready:
-                    continue
-                experiment = worker.experiment
-                try:
-                    kind, value = worker.conn.recv()
-                except (EOFError, OSError):
-                    worker.process.join(10)
-                    kind, value = "died", worker.process.exitcode
-                worker.experiment = None
-                if kind == "done":
-                    outcomes[experiment.name] = value
-                    on_outcome(value)
-                elif kind == "preempted":
-                    print(f"   {experiment.name}: {value}", flush=True)
-                    preempted = True
-                    queue.clear()  # nothing new starts after a preemption
-                elif kind == "failed":
-                    failure = failure or f"{experiment.name}: {value} (see its log)"
-                    queue.clear()
-                else:  # the process ended without a word: killed, or out of memory
-                    reason = (f"its worker process exited with status {value} (see "
-                              f"{log_path(root, experiment.name)})")  # fmt: skip
-                    outcome = Outcome(experiment, os.path.join(root, experiment.name),
-                                      "not run", None, [], reason)  # fmt: skip
-                    outcome.wall = time.perf_counter() - worker.started
-                    outcomes[experiment.name] = outcome
-                    print(f"   {experiment.name}: not run: {reason}", flush=True)
-                    on_outcome(outcome)
+        with signals.interrupt_as_stop():
+            while progress.queue or pool.busy():
+                stop = "preempted" if signals.requested() else ""
+                stop = stop or ("interrupted" if signals.interrupted() else "")
+                if stop and not progress.stopped:
+                    signals.acknowledge()
+                    progress.stopped = stop
+                    progress.queue.clear()
+                    pool.signal_busy()
+                _hand_out(progress, pool, jobs, root)
+                _collect(progress, pool, root, on_outcome)
+    except KeyboardInterrupt:  # a second Ctrl-C: no waiting for the safe points
+        pool.kill()
+        raise
     finally:
-        if failure or not (preempted or len(outcomes) == len(chosen)):
+        complete = len(progress.outcomes) == len(chosen)
+        if progress.failure or not (progress.stopped or complete):
             pool.signal_busy()
         pool.close()
-    if failure:
-        raise RuntimeError(failure)
-    if preempted:
-        raise Preempted(
-            "preempted: every experiment that was running stopped at a safe point with its "
-            f"checkpoint saved ({len(outcomes)} of {len(chosen)} finished)"
+    if progress.failure:
+        raise RuntimeError(progress.failure)
+    if progress.stopped:
+        interrupted = progress.stopped == "interrupted"
+        raise (Interrupted if interrupted else Preempted)(
+            f"{'interrupted (Ctrl-C)' if interrupted else 'preempted'}: every experiment that "
+            f"was running stopped at a safe point with its checkpoint saved "
+            f"({len(progress.outcomes)} of {len(chosen)} finished)"
         )
-    return [outcomes[e.name] for e in chosen]
+    return [progress.outcomes[e.name] for e in chosen]
+
+
+def _hand_out(progress: _Progress, pool: _Pool, jobs: int, root: str) -> None:
+    """Gives queued experiments to idle workers, starting workers up to `jobs`."""
+    while progress.queue and not progress.failure:
+        worker = (pool.idle() or [None])[0]
+        if worker is None and len(pool.busy()) < jobs:
+            worker = pool.start()
+        if worker is None:
+            return
+        worker.experiment, worker.started = progress.queue.pop(0), time.perf_counter()
+        worker.conn.send(worker.experiment)
+        name = worker.experiment.name
+        print(f"== {name}: {worker.experiment.title} (worker pid {worker.process.pid}, output "
+              f"in {log_path(root, name)})", flush=True)  # fmt: skip
+
+
+def _collect(progress: _Progress, pool: _Pool, root: str, on_outcome) -> None:
+    """Waits up to POLL_SECONDS for busy workers, and takes in what each one that answered (or
+    ended) has to say."""
+    from resconv_jax.reproducing.outcomes import Outcome
+
+    busy = pool.busy()
+    ready = wait([w.conn for w in busy] + [w.process.sentinel for w in busy], POLL_SECONDS)
+    for worker in busy:
+        if worker.conn not in ready and worker.process.sentinel not in ready:
+            continue
+        experiment = worker.experiment
+        try:
+            kind, value = worker.conn.recv()
+        except (EOFError, OSError):
+            worker.process.join(10)
+            kind, value = "died", worker.process.exitcode
+        worker.experiment = None
+        if kind == "done":
+            progress.outcomes[experiment.name] = value
+            on_outcome(value)
+        elif kind == "preempted":
+            print(f"   {experiment.name}: {value}", flush=True)
+            progress.stopped = progress.stopped or "preempted"
+            progress.queue.clear()  # nothing new starts after a preemption
+        elif kind == "failed":
+            progress.failure = progress.failure or f"{experiment.name}: {value} (see its log)"
+            progress.queue.clear()
+        else:  # the process ended without a word: killed, or out of memory
+            reason = (f"its worker process exited with status {value} (see "
+                      f"{log_path(root, experiment.name)})")  # fmt: skip
+            outcome = Outcome(experiment, os.path.join(root, experiment.name), "not run", None,
+                              [], reason)  # fmt: skip
+            outcome.wall = time.perf_counter() - worker.started
+            progress.outcomes[experiment.name] = outcome
+            print(f"   {experiment.name}: not run: {reason}", flush=True)
+            on_outcome(outcome)

@@ -8,6 +8,7 @@ notifier, and only the signalled process would stop (see multihost.py).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -73,4 +74,32 @@ def _on_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
+@contextlib.contextmanager
+def interrupt_as_stop():
+    """Within: the first Ctrl-C (SIGINT) sets `interrupted()` instead of raising, for a loop
+    that stops at its next safe point; a second one raises KeyboardInterrupt. An ignored SIGINT
+    stays ignored."""
+    _interrupted.clear()
+
+    def first_stops(signum, frame) -> None:
+        if _interrupted.is_set():
+            raise KeyboardInterrupt
+        _interrupted.set()
+
+    if not _on_main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, first_stops)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def interrupted() -> bool:
+    """Whether a Ctrl-C arrived within `interrupt_as_stop`."""
+    return _interrupted.is_set()
+
+
+_interrupted = threading.Event()
 _interrupt_before: list = []  # the SIGINT handler that exit_on_interrupt replaced

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from resconv_jax.analysis import theory
-from resconv_jax.analysis.certificate import Kernel
+from resconv_jax.analysis.certificate import Kernel, above_stable_lr
 from resconv_jax.errors import Preempted, TrainingDiverged, WorkdirWriteError
 from resconv_jax.runners import ChunkRunners
 from resconv_jax.runtime import signals
@@ -141,6 +141,8 @@ def run_loop(
                 contraction = buffers["loss"][1] / buffers["loss"][0]
                 ntk = kernel.records(params_at_step, program.hp, program.x, lrs, contraction)
                 records = [r | n for r, n in zip(records, ntk, strict=True)]
+                if step == 0 and (warning := above_stable_lr(records)):
+                    print(warning, flush=True)
             writer.write(step, records)
             if diverging_runs(losses).size:
                 message = _diverged(train, program, checkpointer, writer, step, losses)

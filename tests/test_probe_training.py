@@ -87,6 +87,20 @@ def probed_run(tmp_path_factory):
     return config, workdir
 
 
+@pytest.mark.parametrize("factor, warned", [(0.5, False), (2.5, True)])
+def test_a_step_size_above_two_over_lambda_max_at_init_is_said(tmp_path, capsys, factor, warned):
+    """η = factor/λ_max(K) at initialization: above 2/λ_max the protocol's premise fails, which
+    the run now says in one line (configs/sst2.py's η was 3.3x above it at L = 6, β = 0)."""
+    config = tiny(**TINY_THEORY, **{
+        "train.num_steps": 2, "train.log_every": 2, "certificate.every": 2,
+        "optim.lr_rule": "lambda_max", "optim.lr_factor": factor})  # fmt: skip
+    train.run(config, str(tmp_path))
+    said = [line for line in capsys.readouterr().out.splitlines() if "warning: η" in line]
+    assert len(said) == warned, said
+    if warned:
+        assert "for 3 of 3 runs: r0 (η·λ_max/2 = 1.25), r1 (η·λ_max/2 = 1.25)" in said[0]
+
+
 @pytest.mark.slow
 def test_probe_leaves_losses_and_parameters_unchanged(probed_run, tmp_path):
     config, probed = probed_run

@@ -83,6 +83,22 @@ class Kernel:
         return records
 
 
+def above_stable_lr(records: list[dict]) -> str | None:
+    """A warning line when a run's η is at or above its stable step size 2/λ_max(K) in `records`
+    (the metrics lines of step 0, with the certificate's "ntk/stable_lr"), else None: the paper's
+    protocol picks one η below the smallest 2/λ_max at initialization over the sweep."""
+    above = [r for r in records if r.get("ntk/stable_lr", np.inf) <= r["lr"]]
+    if not above:
+        return None
+    smallest = min(r["ntk/stable_lr"] for r in records)
+    runs = ", ".join(f"r{r['run']} (η·λ_max/2 = {r['lr'] / r['ntk/stable_lr']:.2f})" for r in above)
+    return (
+        f"warning: η is at or above 2/λ_max(K) at initialization for {len(above)} of "
+        f"{len(records)} runs: {runs}; the protocol's premise (η below the smallest 2/λ_max over "
+        f"the sweep, here {smallest:.3g}) does not hold for them"
+    )
+
+
 def make_kernel(
     linearize, scale: float, num_outputs: int, num_params: int, *, max_entries: int, iterations: int
 ) -> Kernel:

@@ -270,3 +270,27 @@ def alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return not Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+
+def test_the_claims_a_worker_computed_are_read_back_not_computed_again(tmp_path):
+    """`compute_claims` (a worker, as soon as its experiment is done) keeps each row in the run
+    folder's results cache, where the parent's claims table finds it."""
+    from resconv_jax.experiments import claims
+    from resconv_jax.experiments.record import ClaimCheck
+    from resconv_jax.reproducing import report
+    from resconv_jax.reproducing.outcomes import Outcome
+
+    calls = []
+
+    def check(workdir):
+        calls.append(workdir)
+        return claims.Claim("c", "m", "t", value="1", verdict=claims.HOLDS)
+
+    folder = tmp_path / "e"
+    folder.mkdir()
+    (folder / "metrics.jsonl").write_text('{"step": 0}\n')
+    claimed = dataclasses.replace(experiment(tmp_path, "e"), claims=(ClaimCheck(1.0, check),))
+    outcome = Outcome(claimed, str(folder), "ran", 1.0, [])
+    report.compute_claims(outcome, "small")
+    rows = report.claims_table([outcome])
+    assert calls == [str(folder)] and (rows[0].value, rows[0].verdict) == ("1", claims.HOLDS)

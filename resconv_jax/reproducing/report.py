@@ -5,6 +5,7 @@ recorded under (`code_version`)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -68,6 +69,24 @@ def claims_table(outcomes: list[Outcome]) -> list[Claim]:
             row = dataclasses.replace(row, note=note, verdict=verdict)
         rows.append(row)
     return rows
+
+
+def draw_counts(scale: str):
+    """The draw counts of the claims' statistics at `scale`: fewer at tiny, whose numbers mean
+    nothing (`stats.SMOKE_TEST_COUNTS`)."""
+    return stats.counts(**stats.SMOKE_TEST_COUNTS) if scale == "tiny" else contextlib.nullcontext()
+
+
+def compute_claims(outcome: Outcome, scale: str) -> None:
+    """Evaluates the claims of one experiment into its folder's results cache (`checked`), where
+    `claims_table` then finds them: a `--jobs` worker does this as soon as its experiment is done,
+    beside the experiments still running, instead of the parent after the last one."""
+    if outcome.status == "not run":
+        return
+    with draw_counts(scale):
+        for claim in outcome.experiment.claims:
+            with contextlib.suppress(Exception):  # claims_table evaluates it again and says why
+                checked(claim.check, outcome.workdir)
 
 
 def checked(check, workdir: str | None) -> Claim:

@@ -69,6 +69,7 @@ def _work(conn: Connection, scale: str, root: str, times: dict, cache: str) -> N
     from absl import logging
 
     from resconv_jax.reproducing.outcomes import run_experiment
+    from resconv_jax.reproducing.report import compute_claims
     from resconv_jax.runtime import compile_cache, signals
 
     signals.install()
@@ -81,7 +82,9 @@ def _work(conn: Connection, scale: str, root: str, times: dict, cache: str) -> N
         print(f"# {time.strftime('%Y-%m-%d %H:%M:%S')}: reproduce --jobs worker, pid "
               f"{os.getpid()}", flush=True)  # fmt: skip
         try:
-            message = ("done", run_experiment(experiment, scale, root, times))
+            outcome = run_experiment(experiment, scale, root, times)
+            compute_claims(outcome, scale)  # here, beside the other workers' experiments
+            message = ("done", outcome)
         except Preempted as stop:
             print(stop, flush=True)
             message = ("preempted", str(stop))

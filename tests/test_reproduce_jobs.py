@@ -4,6 +4,7 @@ SIGTERM stops every worker at a safe point; a worker that dies costs only its ex
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import os
 import re
 import shutil
@@ -107,7 +108,7 @@ def test_a_sigterm_or_ctrl_c_stops_every_worker_at_a_safe_point(tmp_path, stop, 
     previous = signals.install()
     try:
         when_training(tmp_path, ["a", "b"], stop)
-        with pytest.raises(raised, match=words + r": .*stopped at a safe point .*\(0 of 3 fini"):
+        with pytest.raises(raised, match=words + r": .*stopped at a safe point .*; 0 of 3 fini"):
             run_all(chosen, tmp_path)
     finally:
         signals.acknowledge()
@@ -117,6 +118,48 @@ def test_a_sigterm_or_ctrl_c_stops_every_worker_at_a_safe_point(tmp_path, stop, 
         assert re.search(r"preempted at step \d+: checkpoint saved", log), log[-2000:]
         assert any((tmp_path / name / "checkpoints").iterdir())
     assert not (tmp_path / "c").exists()  # not started after the signal
+
+
+@pytest.mark.slow
+def test_a_ctrl_c_while_the_workers_start_stops_them_at_a_safe_point(tmp_path, capsys):
+    """Ctrl-C to every process as soon as the workers exist, during their imports: it killed
+    them with tracebacks ("not run: exited with status -15") and the message said "2 of 2
+    finished" with checkpoints saved. Now they ignore it until ready, then stop cleanly."""
+    chosen = [experiment(tmp_path, name, **{"train.num_steps": LONG}) for name in ("a", "b")]
+
+    def ctrl_c_once_started():
+        while len(multiprocessing.active_children()) < 2:
+            time.sleep(0.01)
+        _ctrl_c({c.name: c.pid for c in multiprocessing.active_children()})
+
+    threading.Thread(target=ctrl_c_once_started, daemon=True).start()
+    with pytest.raises(Interrupted, match=r"nothing trained yet; its log says which\); 0 of 2"):
+        run_all(chosen, tmp_path)
+    assert "not run" not in capsys.readouterr().out
+    for name in ("a", "b"):
+        log = workers.log_path(str(tmp_path), name).read_text()
+        assert "Traceback" not in log and "SIGTERM during start-up" in log, log[-2000:]
+
+
+@pytest.mark.slow
+def test_a_ctrl_c_after_a_worker_was_preempted_alone_still_stops_the_others(tmp_path):
+    """Once one worker had reported its own preemption, the parent passed no later SIGTERM or
+    Ctrl-C on, and waited for the other experiment to finish."""
+    chosen = [experiment(tmp_path, name, **{"train.num_steps": LONG}) for name in ("a", "b")]
+
+    def preempt_a_then_ctrl_c(pids):
+        os.kill(pids["a"], signal.SIGTERM)
+        log = workers.log_path(str(tmp_path), "a")
+        while "preempted at step" not in log.read_text():
+            time.sleep(0.1)
+        time.sleep(1.0)  # the parent has read a's "preempted"
+        os.kill(os.getpid(), signal.SIGINT)
+
+    when_training(tmp_path, ["a", "b"], preempt_a_then_ctrl_c)
+    with pytest.raises(Interrupted):
+        run_all(chosen, tmp_path)
+    log = workers.log_path(str(tmp_path), "b").read_text()
+    assert re.search(r"preempted at step \d+: checkpoint saved", log), log[-2000:]
 
 
 def test_within_interrupt_as_stop_the_first_ctrl_c_is_a_flag_and_the_second_raises():

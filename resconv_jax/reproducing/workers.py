@@ -22,6 +22,7 @@ others go on.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing
 import os
@@ -34,6 +35,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 from resconv_jax.errors import Interrupted, Preempted
+from resconv_jax.runtime import signals
 
 LOGS = "logs"
 POLL_SECONDS = 0.5
@@ -70,10 +72,13 @@ def _work(conn: Connection, scale: str, root: str, times: dict, cache: str) -> N
 
     from resconv_jax.reproducing.outcomes import run_experiment
     from resconv_jax.reproducing.report import compute_claims
-    from resconv_jax.runtime import compile_cache, signals
+    from resconv_jax.runtime import compile_cache
 
     signals.install()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent passes a Ctrl-C on as SIGTERM
+    # The parent blocks both while it starts a worker, and the worker may inherit that mask.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    conn.send(("ready", None))  # from now on a SIGTERM stops the experiment at a safe point
     threading.Thread(target=_stop_when_orphaned, args=(os.getppid(),), daemon=True).start()
     logging.set_verbosity(logging.WARNING)
     compile_cache.enable(cache)
@@ -107,12 +112,35 @@ def _receive(conn: Connection):
         return None
 
 
+@contextlib.contextmanager
+def _start_ignoring_signals():
+    """A worker started within ignores SIGINT and SIGTERM (it inherits SIG_IGN) until `_work`
+    installs its own handling: a Ctrl-C or a stop during its imports would otherwise kill it with
+    a traceback, before it could stop at a safe point. In this process the two are blocked
+    meanwhile, so that one arriving then is delivered afterwards, not lost (the worker may
+    inherit that mask: `_work` unblocks them once its handlers are in place)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    stops = {signal.SIGINT, signal.SIGTERM}
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+    handlers = {number: signal.signal(number, signal.SIG_IGN) for number in stops}
+    try:
+        yield
+    finally:
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
 @dataclasses.dataclass
 class _Worker:
     process: multiprocessing.Process
     conn: Connection
     experiment: object = None  # the Experiment it runs, None when idle
     started: float = 0.0
+    ready: bool = False  # its SIGTERM handler is in place (it said so)
+    stop_when_ready: bool = False  # a stop was asked before it was ready
 
 
 class _Pool:
@@ -126,7 +154,8 @@ class _Pool:
     def start(self) -> _Worker:
         parent, child = self.context.Pipe()
         process = self.context.Process(target=_work, args=(child, *self.args), daemon=True)
-        process.start()
+        with _start_ignoring_signals():
+            process.start()
         child.close()
         worker = _Worker(process, parent)
         self.workers.append(worker)
@@ -139,9 +168,11 @@ class _Pool:
         return [w for w in self.workers if w.experiment is not None]
 
     def signal_busy(self) -> None:
+        """SIGTERM to every busy worker: now if it is ready, else once it says it is."""
         for worker in self.busy():
-            if worker.process.is_alive():
+            if worker.ready and worker.process.is_alive():
                 os.kill(worker.process.pid, signal.SIGTERM)
+            worker.stop_when_ready = not worker.ready
 
     def kill(self) -> None:
         for worker in self.workers:
@@ -214,6 +245,7 @@ class _Progress:
     queue: list  # the Experiments not handed out yet
     outcomes: dict = dataclasses.field(default_factory=dict)  # name -> Outcome
     stopped: str = ""  # "preempted" (SIGTERM) or "interrupted" (Ctrl-C)
+    interrupt_passed_on: bool = False
     failure: str = ""  # an experiment that raised, and what
 
 
@@ -230,8 +262,6 @@ def run_all(
     the Outcomes in `chosen`'s order. Raises Preempted after a SIGTERM and Interrupted after a
     Ctrl-C (every busy worker stopped at a safe point), RuntimeError when a worker's experiment
     raised something else."""
-    from resconv_jax.runtime import signals
-
     (Path(root) / LOGS).mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the workers share a GPU
     pool = _Pool((scale, root, times, cache))
@@ -239,13 +269,7 @@ def run_all(
     try:
         with signals.interrupt_as_stop():
             while progress.queue or pool.busy():
-                stop = "preempted" if signals.requested() else ""
-                stop = stop or ("interrupted" if signals.interrupted() else "")
-                if stop and not progress.stopped:
-                    signals.acknowledge()
-                    progress.stopped = stop
-                    progress.queue.clear()
-                    pool.signal_busy()
+                _pass_on_a_stop(progress, pool)
                 _hand_out(progress, pool, jobs, root)
                 _collect(progress, pool, root, on_outcome)
     except KeyboardInterrupt:  # a second Ctrl-C: no waiting for the safe points
@@ -260,12 +284,30 @@ def run_all(
         raise RuntimeError(progress.failure)
     if progress.stopped:
         interrupted = progress.stopped == "interrupted"
+        finished = sum(o.status != "not run" for o in progress.outcomes.values())
         raise (Interrupted if interrupted else Preempted)(
             f"{'interrupted (Ctrl-C)' if interrupted else 'preempted'}: every experiment that "
-            f"was running stopped at a safe point with its checkpoint saved "
-            f"({len(progress.outcomes)} of {len(chosen)} finished)"
+            "was running stopped at a safe point (its checkpoint saved, or nothing trained yet; "
+            f"its log says which); {finished} of {len(chosen)} finished"
         )
     return [progress.outcomes[e.name] for e in chosen]
+
+
+def _pass_on_a_stop(progress: _Progress, pool: _Pool) -> None:
+    """A SIGTERM or the first Ctrl-C to this process: nothing new starts, and every busy worker
+    gets SIGTERM. Each new signal is passed on, also after a worker was preempted by itself."""
+    if signals.requested():
+        signals.acknowledge()
+        kind = "preempted"
+    elif signals.interrupted() and not progress.interrupt_passed_on:
+        progress.interrupt_passed_on = True
+        kind = "interrupted"
+    else:
+        return
+    if kind == "interrupted" or not progress.stopped:  # the message names a Ctrl-C first
+        progress.stopped = kind
+    progress.queue.clear()
+    pool.signal_busy()
 
 
 def _hand_out(progress: _Progress, pool: _Pool, jobs: int, root: str) -> None:
@@ -299,6 +341,11 @@ def _collect(progress: _Progress, pool: _Pool, root: str, on_outcome) -> None:
         except (EOFError, OSError):
             worker.process.join(10)
             kind, value = "died", worker.process.exitcode
+        if kind == "ready":
+            worker.ready = True
+            if worker.stop_when_ready and worker.process.is_alive():
+                os.kill(worker.process.pid, signal.SIGTERM)
+            continue
         worker.experiment = None
         if kind == "done":
             progress.outcomes[experiment.name] = value

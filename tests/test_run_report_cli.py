@@ -2,7 +2,6 @@
 input that is not a finished or running run's folder."""
 
 import json
-import os
 
 import pytest
 
@@ -16,10 +15,10 @@ def run_report(capsys, *args) -> tuple[int, str, str]:
     return status, out, err
 
 
-def _run_folder(folder):
+def _run_folder(folder, **changed):
     folder.mkdir()
     lines = [{"step": s, "run": 0, "seed": 0, "lr": 0.1, "beta_attn": 1.0, "beta_ffn": 1.0,
-              "loss": 2.0 ** -s} for s in range(0, 30, 10)]  # fmt: skip
+              "loss": 2.0 ** -s} | changed for s in range(0, 30, 10)]  # fmt: skip
     (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     (folder / "config.json").write_text("{}")
     return folder
@@ -34,16 +33,17 @@ def _run_folder(folder):
         (lambda p: (p / "REPORT.md").write_text("#") and p, 2, "is a reproduce folder"),
         (lambda p: (p / "metrics.jsonl").write_text("garbage\n") and p, 2, "no valid metrics"),
         (lambda p: (p / "metrics.jsonl").write_text('{"step": 0}\n') and p, 2, "cannot report"),
+        (lambda p: _run_folder(p / "r", loss="x"), 2, "line 1: loss='x' is not a number"),
     ],
 )
 def test_bad_input_is_one_line_status_2(tmp_path, capsys, make, status, expected):
     """...and leaves the folder as it was (lines of another kind used to leave a new .lock)."""
     folder = make(tmp_path)
-    before = sorted(os.listdir(tmp_path))
+    before = sorted(tmp_path.rglob("*"))
     code, out, err = run_report(capsys, folder)
     assert code == status and out == ""
     assert err.strip().splitlines() == [err.strip()] and expected in err
-    assert sorted(os.listdir(tmp_path)) == before
+    assert sorted(tmp_path.rglob("*")) == before
 
 
 def test_no_argument_is_status_2_and_help_is_0(capsys):

@@ -110,7 +110,17 @@ def _not_a_run(workdir: epath.Path) -> str | None:
                 f"{workdir}: cannot report this run ({METRICS_FILE} line {number} has no "
                 f"{', '.join(lacking)}: not a line of main's)"
             )
+        not_numbers = [key for key in RUN_LINE_KEYS if not _is_number(line[key])]
+        if not_numbers:
+            return (
+                f"{workdir}: cannot report this run ({METRICS_FILE} line {number}: "
+                f"{', '.join(f'{k}={line[k]!r}' for k in not_numbers)} is not a number)"
+            )
     return None
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def main(argv: list[str]) -> int:

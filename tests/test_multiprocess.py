@@ -32,6 +32,7 @@ JENA_SHORT = [
     "--config.train.log_every=5",
 ]
 TIMEOUT = 240
+HEARTBEAT = 30  # main's --heartbeat_timeout in the tests that kill a process (`coordinated`)
 
 pytestmark = pytest.mark.slow
 
@@ -174,10 +175,11 @@ def coordinated(args: list[str], workdir, port: int, index: int) -> subprocess.P
     command = [
         sys.executable, "-m", "resconv_jax.main", *args, f"--workdir={workdir}",
         f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={index}",
-        # JAX aborts a process at its own timeout; the watchdog acts at half of it. 20 s leaves a
-        # loaded CI machine 10 s for the watchdog's thread to run (6 s and 10 s were flaky
-        # there: JAX's abort came first).
-        "--heartbeat_timeout=20",
+        # JAX aborts a process at its own timeout; the watchdog acts at half of it. 30 s leaves a
+        # loaded CI machine 15 s for the watchdog's thread to run (6 s and 10 s were flaky there,
+        # and 20 s once, on 2026-12-07, beside the spawning tests of test_reproduce_jobs.py:
+        # JAX's abort came first).
+        f"--heartbeat_timeout={HEARTBEAT}",
     ]  # fmt: skip
     return subprocess.Popen(
         command, cwd=ROOT, env=local.process_env(4), stdout=subprocess.PIPE,
@@ -200,7 +202,7 @@ def test_a_killed_process_stops_the_other_with_one_line_and_a_rerun_resumes(tmp_
     assert processes[0].returncode == 5, why_it_stopped(err)
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert errors == [errors[0]] and "process 1 of 2 stopped responding" in errors[0], err[-4000:]
-    assert waited < 20 + 5  # lost after half the heartbeat timeout, checked every second
+    assert waited < HEARTBEAT + 5  # lost after half the heartbeat timeout, checked every second
     result = two_processes(args, workdir)
     assert result.returncode == 0 and "resuming from step" in result.stdout, result.stderr[-2000:]
     steps = [r["step"] for r in metrics(workdir) if r["run"] == 0]

@@ -32,10 +32,7 @@ from resconv_jax.runtime import signals
 # (A multi-process run hands SIGTERM back to JAX's preemption notifier once the flags are read.)
 signals.install()
 if __name__ == "__main__":  # until main() starts: Ctrl-C is one line, not a traceback
-    signals.exit_on_interrupt(
-        "error: interrupted (Ctrl-C) while starting; nothing was written",
-        130,  # EXIT_INTERRUPTED
-    )
+    signals.exit_on_interrupt()
 # Threaded OpenBLAS inside XLA's own CPU threads slows LAPACK (the probe's QR) ~30x; set first.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 # The imports make objects that live as long as the process: no garbage collection while they
@@ -71,7 +68,7 @@ def _frozen() -> None:
 _frozen()
 
 EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_BUSY, EXIT_WRITE_FAILED, EXIT_LOST_PROCESS = 1, 2, 3, 4, 5
-EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT), as a shell reports it
+EXIT_INTERRUPTED = signals.EXIT_INTERRUPTED  # Ctrl-C (SIGINT), as a shell reports it
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to an ml_collections config file.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics); resumes.")

@@ -32,15 +32,11 @@ from __future__ import annotations
 import os
 import sys
 
-EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT), as a shell reports it
-
 if __name__ == "__main__":  # before numpy loads OpenBLAS and before the slow imports
     from resconv_jax.runtime import signals
 
     signals.install()
-    signals.exit_on_interrupt(
-        "error: interrupted (Ctrl-C) while starting; nothing was written", EXIT_INTERRUPTED
-    )
+    signals.exit_on_interrupt()
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as in main: threaded OpenBLAS slows LAPACK
 
 
@@ -61,7 +57,7 @@ from resconv_jax.experiments import claims  # noqa: E402
 from resconv_jax.experiments.record import SCALES, Experiment  # noqa: E402
 from resconv_jax.reproducing import report  # noqa: E402
 from resconv_jax.reproducing.outcomes import Outcome, finished_before, run_experiment  # noqa: E402
-from resconv_jax.runtime import compile_cache  # noqa: E402
+from resconv_jax.runtime import compile_cache, signals  # noqa: E402
 from resconv_jax.runtime import workdir as wd  # noqa: E402
 from resconv_jax.validation import check_workdir  # noqa: E402
 
@@ -251,8 +247,6 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str]) -> None:
-    from resconv_jax.runtime import signals
-
     signals.interrupts_raise()
     if len(argv) > 1:
         exit_with(f"unexpected arguments: {' '.join(argv[1:])}", 2)
@@ -285,7 +279,9 @@ def main(argv: list[str]) -> None:
         print(f"error: {what}; rerun the same reproduce command to go on", file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(EXIT_INTERRUPTED)  # as after a failed save: Orbax's threads could block exit
+        os._exit(
+            signals.EXIT_INTERRUPTED
+        )  # as after a failed save: Orbax's threads could block exit
     except WorkdirBusy as error:
         exit_with(str(error), 3)
     except (WorkdirWriteError, ValueError) as error:

@@ -85,7 +85,7 @@ def test_an_ignored_sigint_stays_ignored_through_start_up():
 
     before = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        signals.exit_on_interrupt("x", 130)
+        signals.exit_on_interrupt()
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
         signals.interrupts_raise()
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN

@@ -22,7 +22,6 @@ others go on.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import multiprocessing
 import os
@@ -76,7 +75,8 @@ def _work(conn: Connection, scale: str, root: str, times: dict, cache: str) -> N
 
     signals.install()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent passes a Ctrl-C on as SIGTERM
-    # The parent blocks both while it starts a worker, and the worker may inherit that mask.
+    # The parent blocks both while it starts a worker (`signals.ignored_by_children`), and
+    # the worker may inherit that mask.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     conn.send(("ready", None))  # from now on a SIGTERM stops the experiment at a safe point
     threading.Thread(target=_stop_when_orphaned, args=(os.getppid(),), daemon=True).start()
@@ -112,27 +112,6 @@ def _receive(conn: Connection):
         return None
 
 
-@contextlib.contextmanager
-def _start_ignoring_signals():
-    """A worker started within ignores SIGINT and SIGTERM (it inherits SIG_IGN) until `_work`
-    installs its own handling: a Ctrl-C or a stop during its imports would otherwise kill it with
-    a traceback, before it could stop at a safe point. In this process the two are blocked
-    meanwhile, so that one arriving then is delivered afterwards, not lost (the worker may
-    inherit that mask: `_work` unblocks them once its handlers are in place)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    stops = {signal.SIGINT, signal.SIGTERM}
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, stops)
-    handlers = {number: signal.signal(number, signal.SIG_IGN) for number in stops}
-    try:
-        yield
-    finally:
-        for number, handler in handlers.items():
-            signal.signal(number, handler)
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-
-
 @dataclasses.dataclass
 class _Worker:
     process: multiprocessing.Process
@@ -154,7 +133,7 @@ class _Pool:
     def start(self) -> _Worker:
         parent, child = self.context.Pipe()
         process = self.context.Process(target=_work, args=(child, *self.args), daemon=True)
-        with _start_ignoring_signals():
+        with signals.ignored_by_children():
             process.start()
         child.close()
         worker = _Worker(process, parent)

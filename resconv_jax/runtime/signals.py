@@ -49,15 +49,18 @@ def acknowledge() -> None:
     _received.clear()
 
 
-def exit_on_interrupt(message: str, status: int) -> None:
-    """Until `interrupts_raise`: Ctrl-C (SIGINT) writes `message` as one line on stderr and
-    exits with `status` at once. For start-up (the imports, the flags), where Python's
-    KeyboardInterrupt would be a traceback through library code. An ignored SIGINT (a
-    background job of a script, nohup) stays ignored."""
+EXIT_INTERRUPTED = 130  # the exit status after Ctrl-C (SIGINT), as a shell reports it
+
+
+def exit_on_interrupt() -> None:
+    """Until `interrupts_raise`: Ctrl-C (SIGINT) writes one line on stderr, that nothing was
+    written, and exits with EXIT_INTERRUPTED at once. For a command's start-up (the imports,
+    the flags), where Python's KeyboardInterrupt would be a traceback through library code. An
+    ignored SIGINT (a background job of a script, nohup) stays ignored."""
 
     def stop(signum, frame) -> None:
-        os.write(2, f"{message}\n".encode())
-        os._exit(status)
+        os.write(2, b"error: interrupted (Ctrl-C) while starting; nothing was written\n")
+        os._exit(EXIT_INTERRUPTED)
 
     if _on_main_thread() and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
         _interrupt_before.append(signal.signal(signal.SIGINT, stop))
@@ -99,6 +102,27 @@ def interrupt_as_stop():
 def interrupted() -> bool:
     """Whether a Ctrl-C arrived within `interrupt_as_stop`."""
     return _interrupted.is_set()
+
+
+@contextlib.contextmanager
+def ignored_by_children():
+    """A process started within (fork and exec) ignores SIGINT and SIGTERM, as it inherits
+    SIG_IGN, until it installs its own handling: a Ctrl-C or a stop during its imports would
+    otherwise kill it with a traceback. In this process the two are blocked meanwhile, so that
+    one arriving then is delivered afterwards, not lost; the child may inherit that mask too, and
+    must unblock them once its handlers are in place."""
+    if not _on_main_thread():
+        yield
+        return
+    stops = {signal.SIGINT, signal.SIGTERM}
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+    handlers = {number: signal.signal(number, signal.SIG_IGN) for number in stops}
+    try:
+        yield
+    finally:
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 _interrupted = threading.Event()

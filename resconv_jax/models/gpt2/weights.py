@@ -18,6 +18,7 @@ mis-shaped key named in one error before anything is read.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import socket
@@ -196,12 +197,8 @@ def check_fits(source: str, num_layers: int, cache_dir: str | None = None) -> No
     header only, so a depth sweep checks its deepest L before training its first."""
     folder = find_weights(source, cache_dir)
     cfg, _, model_shapes = _folder_model(folder, num_layers, num_classes=1, seed=0, shape={})
-    path = folder / WEIGHTS_FILE
-    try:
-        with safetensors.safe_open(path, framework="numpy") as file:
-            _match_keys(_file_shapes(file), model_shapes, cfg, path)
-    except (OSError, safetensors.SafetensorError) as error:
-        raise WeightsError(f"cannot read GPT-2 weights {path}: {one_line(error)}") from None
+    with _opened(folder / WEIGHTS_FILE) as file:
+        _match_keys(_file_shapes(file), model_shapes, cfg, folder / WEIGHTS_FILE)
 
 
 def _folder_model(
@@ -254,12 +251,17 @@ def _check_shape_agrees(shape: dict, hf_config: dict, folder: Path) -> None:
 
 def _read_body(path: Path, model_shapes: dict, cfg: gpt2.GPT2Config) -> dict[str, jax.Array]:
     """{model path: array in cfg.dtype} for every non-head path, after checking every key."""
+    with _opened(path) as file:
+        plan = _match_keys(_file_shapes(file), model_shapes, cfg, path)
+        return {dest: jnp.asarray(file.get_tensor(key), cfg.dtype) for dest, key in plan.items()}
+
+
+@contextlib.contextmanager
+def _opened(path: Path):
+    """The safetensors file `path`, open for reading; a read that fails within is one line."""
     try:
         with safetensors.safe_open(path, framework="numpy") as file:
-            plan = _match_keys(_file_shapes(file), model_shapes, cfg, path)
-            return {
-                dest: jnp.asarray(file.get_tensor(key), cfg.dtype) for dest, key in plan.items()
-            }
+            yield file
     except (OSError, safetensors.SafetensorError) as error:
         raise WeightsError(f"cannot read GPT-2 weights {path}: {one_line(error)}") from None
 

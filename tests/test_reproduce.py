@@ -298,19 +298,20 @@ def _edit_loss(path, line_number: int) -> None:
     path.write_text("".join(lines))
 
 
-def _short_tiny(folder):
-    """An experiment record of configs/tiny.py at 20 steps, two runs, from a config file written
-    into `folder` (a record names a config file; it carries no overrides)."""
+def _short_tiny(folder, **more):
+    """An experiment record of configs/tiny.py at 20 steps, two runs, with `more` overrides, from
+    a config file written into `folder` (a record names a config file; it carries no overrides)."""
     from resconv_jax.experiments.record import Experiment, scale_variants
 
     tiny = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.py")
     overrides = {"train.num_steps": 20, "train.checkpoint_every": 10, "sweep.beta": (0.0, 1.0),
-                 "train.async_checkpoints": False, "probe.enabled": False}  # fmt: skip
-    (folder / "short_tiny.py").write_text(
+                 "train.async_checkpoints": False, "probe.enabled": False, **more}  # fmt: skip
+    path = folder / f"short_tiny{len(more)}.py"
+    path.write_text(
         "from resconv_jax.config_defaults import load_config_file\n\n\n"
         f"def get_config(arg=None):\n    return load_config_file({tiny!r}, **{overrides!r})\n"
     )
-    return Experiment("tiny", "tiny", str(folder / "short_tiny.py"), scale_variants("", "", ""))
+    return Experiment("tiny", "tiny", str(path), scale_variants("", "", ""))
 
 
 @pytest.mark.slow
@@ -333,6 +334,21 @@ def test_a_damaged_finished_run_is_resumed_not_reused(tmp_path):
         assert outcome.reason.startswith("not reusable: "), damage
         assert metrics.read_bytes() == good_metrics and summary.read_bytes() == good_summary
     assert run_experiment(experiment, "paper", str(tmp_path), {}).status == "reused"
+
+
+@pytest.mark.slow
+def test_a_finished_run_of_another_config_is_not_run_and_not_said_to_resume(tmp_path, capsys):
+    """It said "not reusable: config.json holds another config: resuming from the last good
+    checkpoint", then "not run: ... holds a run with another config"."""
+    assert run_experiment(_short_tiny(tmp_path), "paper", str(tmp_path), {}).status == "ran"
+    before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "tiny").rglob("*"))
+    capsys.readouterr()
+    changed = _short_tiny(tmp_path, **{"optim.lr": 0.002})
+    outcome = run_experiment(changed, "paper", str(tmp_path), {})
+    out = capsys.readouterr().out
+    assert outcome.status == "not run" and "optim.lr: 0.004 -> 0.002" in outcome.reason
+    assert "resum" not in out and "not reusable: config.json holds another config" in out, out
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "tiny").rglob("*")) == before
 
 
 def test_a_second_reproduce_on_a_busy_folder_is_refused_at_once(tmp_path, capsys):

@@ -87,7 +87,7 @@ def _run_one(experiment: Experiment, scale: str, root: str, times: dict) -> Outc
         status, reason = "ran", ""
         if problem:
             status, reason = "resumed", f"not reusable: {problem}"
-            print(f"   {reason}: resuming from the last good checkpoint", flush=True)
+            print(f"   {reason}", flush=True)  # the run then resumes, or says why it cannot
         start = time.perf_counter()
         task.run(config, workdir)
         tables = experiments.report_tables(task, workdir)

@@ -333,3 +333,21 @@ def test_a_damaged_bundled_record_is_refused_in_one_line(monkeypatch):
     cfg.source = "bundled_full"
     with pytest.raises(JenaDataError, match=r"^jena_hourly_2009_2016\.csv\.gz \(bundled\): sha256"):
         load_jena(cfg)
+
+
+def test_the_replication_config_is_the_protocols_rule():
+    """Row 5a′'s rule (docs/protocol.md, section 5), written before any replication run: every
+    window of 2009–2016 standardized as for 5a, seeds 3–12, 5 β on both residuals, η = 8e-7,
+    300 steps with every step's loss, the model and loss of 5a. Its probe skips the per-sample
+    σ_min, which its measure does not read (the losses are the same bits either way)."""
+    from resconv_jax.config_defaults import load_config_file
+
+    row_5a = load_config_file("configs/jena.py", "small").to_dict()
+    rule = load_config_file("configs/jena.py", "full,replication").to_dict()
+    assert rule["data"] == row_5a["data"] | {"source": "bundled_full", "num_train": -1}
+    assert rule["sweep"] == row_5a["sweep"] | {"seed": tuple(range(3, 13))}
+    assert rule["sweep"]["beta"] == (0.0, 0.25, 0.5, 0.75, 1.0)
+    assert rule["optim"] == row_5a["optim"] | {"lr": 8e-7}
+    assert rule["model"] == row_5a["model"] and rule["certificate"] == row_5a["certificate"]
+    assert rule["train"]["num_steps"] == rule["train"]["step_losses_until"] == 300
+    assert rule["probe"] == row_5a["probe"] | {"per_sample": False}

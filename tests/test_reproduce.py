@@ -347,6 +347,7 @@ def test_a_finished_run_of_another_config_is_not_run_and_not_said_to_resume(tmp_
     outcome = run_experiment(changed, "paper", str(tmp_path), {})
     out = capsys.readouterr().out
     assert outcome.status == "not run" and "optim.lr: 0.004 -> 0.002" in outcome.reason
+    assert outcome.reason.endswith("or remove this one to start it over")  # reproduce: this one
     assert "resum" not in out and "not reusable: config.json holds another config" in out, out
     assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "tiny").rglob("*")) == before
 

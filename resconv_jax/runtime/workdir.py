@@ -363,5 +363,5 @@ def check_same_run(workdir: str, saved: dict, current: dict, where: str, default
         more = f" and {len(changed) - 6} more" if len(changed) > 6 else ""
         raise ConfigError(
             f"--workdir={workdir} holds a run with another config ({named}{more}; per {where}); "
-            "use a new --workdir"
+            "use a new --workdir, or remove this one to start it over"
         )

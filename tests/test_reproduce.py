@@ -178,6 +178,22 @@ def test_a_fallback_marks_the_claims_it_measured(tmp_path):
     assert {(row.verdict, row.note) for row in not_run} == {(claims.NOT_RUN, "experiment not run")}
 
 
+def test_the_report_shows_no_figures_of_an_experiment_it_did_not_run(tmp_path):
+    """A folder refused as another config keeps its earlier run's figures; REPORT.md showed them
+    under "not run" as if they were this report's."""
+    sst2 = classification.EXPERIMENTS[0]
+    for name in ("sst2", "sst2_random"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "loss_by_beta.png").write_bytes(b"png")
+    outcomes = [
+        Outcome(sst2, str(tmp_path / "sst2"), "not run", None, [], "another config"),
+        Outcome(sst2.fallback, str(tmp_path / "sst2_random"), "ran", 1.0, []),
+    ]
+    text = report.format_report("small", outcomes, claims_table(outcomes), {})
+    assert "(sst2_random/loss_by_beta.png)" in text and "(sst2/loss_by_beta.png)" not in text
+    assert "not run: another config; its folder's figures are not this report's." in text
+
+
 def test_a_fallback_marks_an_undecided_claim_too(tmp_path):
     from resconv_jax.experiments.record import ClaimCheck, Experiment
 

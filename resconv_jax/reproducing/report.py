@@ -163,13 +163,13 @@ def format_report(
             "ran": f"ran in {wall}, code {code}",
             "reused": f"reused (finished before; {wall}, code {code})",
             "resumed": f"{o.reason}: resumed and finished in {wall}, code {code}",
-        }.get(o.status, f"not run: {o.reason}")
+        }.get(o.status, f"not run: {o.reason}; its folder's figures are not this report's")
         lines += [f"## {o.experiment.title}", "", f"`{o.workdir}`, config `configs/"
                   f"{o.experiment.config_arg(scale)}`; {status}.", ""]  # fmt: skip
         for text in o.tables:
             lines += ["```", text, "```", ""]
         folder = wd.path(o.workdir)
-        if folder.exists():
+        if o.status != "not run" and folder.exists():
             root = folder.parent
             for png in sorted(folder.glob("*.png")):
                 lines += [f"![{o.experiment.name}: {png.stem}]({png.relative_to(root)})", ""]

@@ -175,7 +175,8 @@ def test_a_fallback_marks_the_claims_it_measured(tmp_path):
     assert row.note.startswith("why; β=1 lower at every L: True")
     assert with_seeds.verdict == claims.NOT_RUN and "run_errors.csv missing" in with_seeds.note
     not_run = claims_table([Outcome(sst2, str(tmp_path / "sst2"), "not run", None, [], "gone")])
-    assert {(row.verdict, row.note) for row in not_run} == {(claims.NOT_RUN, "experiment not run")}
+    expected = {(claims.NOT_RUN, "experiment not run: gone")}  # the reason, as in its section
+    assert {(row.verdict, row.note) for row in not_run} == expected
 
 
 def test_the_report_shows_no_figures_of_an_experiment_it_did_not_run(tmp_path):

@@ -50,7 +50,8 @@ def sizes_block(scale: str, chosen: tuple[Experiment, ...] | None = None) -> str
 def claims_table(outcomes: list[Outcome]) -> list[Claim]:
     """The claims table: every claim of every experiment, read from its run directory (None when
     it did not run), in the order of their ranks. A claim that was measured carries its
-    experiment's label in its note, and a fallback's `substitute` in its verdict."""
+    experiment's label in its note, and a fallback's `substitute` in its verdict; one of an
+    experiment that did not run says why."""
     checks = sorted(
         ((claim, outcome) for outcome in outcomes for claim in outcome.experiment.claims),
         key=lambda pair: pair[0].rank,
@@ -63,6 +64,8 @@ def claims_table(outcomes: list[Outcome]) -> list[Claim]:
         except Exception as error:  # noqa: BLE001 - one unreadable file must not lose the report
             note = f"could not be evaluated: {type(error).__name__}: {error}"
             row = Claim(claim.check.__name__, "-", "-", note=note.splitlines()[0])
+        if workdir is None and outcome.reason:
+            row = dataclasses.replace(row, note=f"{row.note}: {outcome.reason}")
         if row.verdict != claims.NOT_RUN:  # measured: holds, fails or undecided
             note = "; ".join(text for text in (outcome.label, row.note) if text)
             verdict = row.verdict + outcome.experiment.substitute

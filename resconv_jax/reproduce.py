@@ -279,9 +279,8 @@ def main(argv: list[str]) -> None:
         print(f"error: {what}; rerun the same reproduce command to go on", file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(
-            signals.EXIT_INTERRUPTED
-        )  # as after a failed save: Orbax's threads could block exit
+        # As after a failed save: Orbax's threads could block exit.
+        os._exit(signals.EXIT_INTERRUPTED)
     except WorkdirBusy as error:
         exit_with(str(error), 3)
     except (WorkdirWriteError, ValueError) as error:

@@ -193,6 +193,8 @@ def test_the_report_shows_no_figures_of_an_experiment_it_did_not_run(tmp_path):
     text = report.format_report("small", outcomes, claims_table(outcomes), {})
     assert "(sst2_random/loss_by_beta.png)" in text and "(sst2/loss_by_beta.png)" not in text
     assert "not run: another config; its folder's figures are not this report's." in text
+    gone = [Outcome(sst2, str(tmp_path / "absent"), "not run", None, [], "no weights")]
+    assert "; not run: no weights.\n" in report.format_report("small", gone, [], {})
 
 
 def test_a_fallback_marks_an_undecided_claim_too(tmp_path):

@@ -162,20 +162,22 @@ def format_report(
     for o in outcomes:
         wall = f"{o.seconds:.0f} s" if o.seconds is not None else "wall time not recorded"
         code = times.get(o.experiment.name, {}).get("code", "unknown")
+        folder = wd.path(o.workdir)
+        figures = sorted(folder.glob("*.png")) if folder.exists() else []
+        not_run = f"not run: {o.reason}"
+        if figures and o.status == "not run":  # an earlier run's, not this report's
+            not_run, figures = f"{not_run}; its folder's figures are not this report's", []
         status = {
             "ran": f"ran in {wall}, code {code}",
             "reused": f"reused (finished before; {wall}, code {code})",
             "resumed": f"{o.reason}: resumed and finished in {wall}, code {code}",
-        }.get(o.status, f"not run: {o.reason}; its folder's figures are not this report's")
+        }.get(o.status, not_run)
         lines += [f"## {o.experiment.title}", "", f"`{o.workdir}`, config `configs/"
                   f"{o.experiment.config_arg(scale)}`; {status}.", ""]  # fmt: skip
         for text in o.tables:
             lines += ["```", text, "```", ""]
-        folder = wd.path(o.workdir)
-        if o.status != "not run" and folder.exists():
-            root = folder.parent
-            for png in sorted(folder.glob("*.png")):
-                lines += [f"![{o.experiment.name}: {png.stem}]({png.relative_to(root)})", ""]
+        for png in figures:
+            lines += [f"![{o.experiment.name}: {png.stem}]({png.relative_to(folder.parent)})", ""]
     lines += ["## Wall times", "", *wall_times(outcomes, total, jobs), ""]
     lines += ["## Machine", "", *machine(), ""]
     return "\n".join(lines)

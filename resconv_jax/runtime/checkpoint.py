@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import logging as std_logging
 import os
+import re
 import sys
 from collections.abc import Callable
 
@@ -90,14 +91,31 @@ def _from_abandoned_io(unraisable) -> bool:
     return isinstance(value, RuntimeError) and str(value) == "Event loop is closed"
 
 
+# TensorStore's errors are ValueErrors whose text starts with an absl status code.
+_TENSORSTORE_ERROR = re.compile(
+    r"(CANCELLED|UNKNOWN|INVALID_ARGUMENT|DEADLINE_EXCEEDED|NOT_FOUND|ALREADY_EXISTS|"
+    r"PERMISSION_DENIED|RESOURCE_EXHAUSTED|FAILED_PRECONDITION|ABORTED|OUT_OF_RANGE|"
+    r"UNIMPLEMENTED|INTERNAL|UNAVAILABLE|DATA_LOSS|UNAUTHENTICATED): "
+)
+
+
+def _is_tensorstore_error(exc_info) -> bool:
+    error = exc_info[1] if exc_info else None
+    return isinstance(error, ValueError) and bool(_TENSORSTORE_ERROR.match(str(error)))
+
+
 def orbax_io_debris(record) -> bool:
     """A logging filter (True: keep) that drops, from stderr, the ERROR records a failed Orbax
-    write leaves: its writer threads' own tracebacks, and asyncio's "Task exception was never
-    retrieved" for Orbax's coroutines. The failure reaches the user as one WorkdirWriteError."""
+    save or restore leaves: its writer threads' own tracebacks, and asyncio's "Task exception was
+    never retrieved" for Orbax's coroutines and for the TensorStore futures it gathers (when one
+    read fails, the others' failures are never retrieved). The failure reaches the user as one
+    line (a WorkdirWriteError, or "checkpoint at step N is unreadable")."""
     if record.levelno < std_logging.ERROR:
         return True
     orbax = f"{os.sep}orbax{os.sep}"
-    return not (orbax in record.pathname or orbax in record.getMessage())
+    if orbax in record.pathname or orbax in record.getMessage():
+        return False
+    return not (record.name == "asyncio" and _is_tensorstore_error(record.exc_info))
 
 
 def quiet_failed_io() -> None:

@@ -1,5 +1,6 @@
 """The claims table's verdicts from synthetic run directories, and the reproduce command."""
 
+import hashlib
 import json
 import os
 import subprocess
@@ -325,7 +326,8 @@ def _short_tiny(folder, **more):
     tiny = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.py")
     overrides = {"train.num_steps": 20, "train.checkpoint_every": 10, "sweep.beta": (0.0, 1.0),
                  "train.async_checkpoints": False, "probe.enabled": False, **more}  # fmt: skip
-    path = folder / f"short_tiny{len(more)}.py"
+    digest = hashlib.sha256(repr(sorted(more.items())).encode()).hexdigest()[:8]
+    path = folder / f"short_tiny_{digest}.py"  # one file per set of overrides
     path.write_text(
         "from resconv_jax.config_defaults import load_config_file\n\n\n"
         f"def get_config(arg=None):\n    return load_config_file({tiny!r}, **{overrides!r})\n"

@@ -178,14 +178,10 @@ def test_5b_second_reading_fails_when_the_residual_raises_the_error(tmp_path):
 
 
 def test_5b_second_reading_with_one_run_per_cell_is_undecided_and_says_what_it_needs(tmp_path):
-    # Row 5b's small run: errors 0.219/0.406, 0.422/0.359, 0.234/0.359 (β=0/β=1), P = 64.
+    # Row 5b's small run: errors 0.219/0.406, 0.422/0.359, 0.234/0.359 (β=0/β=1), P = 64, so
+    # d̄ = +0.083, against the claim: the protocol's seed count is for |d̄| in its direction.
     errors = {(2, 0): 0.219, (2, 1): 0.406, (6, 0): 0.422, (6, 1): 0.359, (10, 0): 0.234,
               (10, 1): 0.359}  # fmt: skip
-    row = sst2_seeds.sst2_ordering_with_seeds(
-        _sst2_dir(tmp_path / "a", lambda L, b, s: errors[L, b], seeds=(0,))
-    )
-    assert row.verdict == claims.UNDECIDED, row
-    assert "exact over 8 " in row.value and "[" not in row.value  # no interval from one seed
     d = np.mean([errors[L, 1] - errors[L, 0] for L in (2, 6, 10)])
     e0, e1 = (
         np.mean([errors[L, 0] for L in (2, 6, 10)]),
@@ -193,7 +189,17 @@ def test_5b_second_reading_with_one_run_per_cell_is_undecided_and_says_what_it_n
     )
     spread = np.sqrt((e0 * (1 - e0) + e1 * (1 - e1)) / 64)
     needed = max(5, int(np.ceil(((1.6448536 + 0.8416212) * spread / abs(d)) ** 2)))
-    assert f"seeds per cell needed for power 0.8: {needed} (binomial spread over P = 64" in row.note
+    count = f"seeds per cell needed for power 0.8: {needed} (binomial spread over P = 64 sentences)"
+    against = " if the effect were |d̄| in the claim's direction (the observed d̄ > 0 is not)"
+    for name, swap in (("observed", 0), ("swapped", 1)):  # swapped: d̄ = −0.083
+        table = {(L, b): errors[L, abs(b - swap)] for L, b in errors}
+        row = sst2_seeds.sst2_ordering_with_seeds(
+            _sst2_dir(tmp_path / name, lambda L, b, s, table=table: table[L, b], seeds=(0,))
+        )
+        assert row.verdict == claims.UNDECIDED, row
+        assert "exact over 8 " in row.value and "[" not in row.value  # no interval from one seed
+        assert count in row.note and (against in row.note) == (not swap), row.note
+        assert row.note.endswith("; one run per cell: no interval, so undecided")
 
 
 def test_5b_second_reading_without_beta_0_at_both_depths_cannot_hold(tmp_path):

@@ -77,9 +77,9 @@ def _power(pairs: list[dict]) -> float:
 
 
 def seeds_needed(pairs: list[dict], errors: tuple[float, float], sentences: int | None) -> float:
-    """Seeds per cell for power 0.8 of a one-sided paired test at 5 % at the observed mean
-    difference of `pairs` ({"num_layers", "seed", "d"}; normal approximation, at least
-    FEWEST_SEEDS). The spread: of the differences over the seeds within each L, pooled, when
+    """Seeds per cell for power 0.8 of a one-sided paired test at 5 % at the size |d̄| of the
+    observed mean difference of `pairs` ({"num_layers", "seed", "d"}; normal approximation, at
+    least FEWEST_SEEDS). The spread: of the differences over the seeds within each L, pooled, when
     there are two seeds or more; else the binomial spread over `sentences` of the two mean
     errors (`errors`: β = 0, β = 1). NaN when there is no difference or no spread to use."""
     by_depth: dict = {}
@@ -178,10 +178,11 @@ def sst2_ordering_with_seeds(workdir, alpha: float = 0.05) -> Claim:
     )
     note = f"{seeds} seed(s) per cell; seeds per cell needed for power 0.8: {needed:.0f}"
     if seeds < 2:
-        note += (
-            f" (binomial spread over P = {sentences} sentences); one run per cell: no interval, "
-            "so undecided"
-        )
+        note += f" (binomial spread over P = {sentences} sentences)"
+    if test.observed > 0:  # the rule's n is for |d̄|: a one-sided test has no power at d̄ > 0
+        note += " if the effect were |d̄| in the claim's direction (the observed d̄ > 0 is not)"
+    if seeds < 2:
+        note += "; one run per cell: no interval, so undecided"
     return dataclasses.replace(claim, value=value, verdict=claims.combined(verdicts), note=note)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 
 import jax
 import numpy as np
@@ -69,10 +70,18 @@ def checkpoint_steps(folder) -> list[int]:
     return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
 
 
-def trained_to(folder) -> int:
-    """The furthest step that FOLDER's metrics lines or checkpoints reach (0 for none)."""
-    steps = [record["step"] for _, record in read_metrics_lines(folder)]
-    return max(steps + checkpoint_steps(folder), default=0)
+def trained_to(folder, log_every: int) -> int:
+    """The furthest step that FOLDER's checkpoints or metrics lines reach (0 for none). A step
+    of the metrics counts when every logged step up to it holds as many lines as step 0 (one
+    per run) and the steps rise by at most `log_every`: a damaged line's step is not a step the
+    run reached."""
+    counts = Counter(record["step"] for _, record in read_metrics_lines(folder))
+    reached, runs = 0, counts.get(0, 0)
+    for step in sorted(counts):
+        if step - reached > log_every or counts[step] != runs:
+            break
+        reached = step
+    return max([reached, *checkpoint_steps(folder)])
 
 
 def refuse_fewer_steps(config, folders) -> None:
@@ -80,7 +89,7 @@ def refuse_fewer_steps(config, folders) -> None:
     cut back (its later lines and checkpoints would be deleted)."""
     total = config.train.num_steps
     for folder in folders:
-        reached = trained_to(folder)
+        reached = trained_to(folder, config.train.log_every)
         if reached > total:
             raise ConfigError(
                 f"--workdir={folder} holds a run trained to step {reached}, beyond "

@@ -133,6 +133,24 @@ def test_fewer_steps_than_a_run_has_is_refused_touching_nothing(tmp_path, sweep)
     assert _files(tmp_path) == before
 
 
+def test_a_damaged_line_with_a_step_beyond_the_run_is_recomputed_not_refused(tmp_path):
+    """One line whose step was damaged to 95 in a 40-step run is not a run trained to step 95
+    (it used to be refused as one, "use a new --workdir"): the rerun recomputes the lines from
+    a checkpoint before it, and the file is the uninterrupted run's again."""
+    steps = {"train.num_steps": 40, "train.checkpoint_every": 10}
+    steps |= {"train.async_checkpoints": False}
+    train.run(load_config_file(TINY, **steps), str(tmp_path))
+    metrics = tmp_path / METRICS_FILE
+    good = metrics.read_text()
+    lines = good.splitlines(keepends=True)
+    middle = len(lines) // 2
+    assert '"step": 20' in lines[middle], lines[middle]
+    lines[middle] = lines[middle].replace('"step": 20', '"step": 95')
+    metrics.write_text("".join(lines))
+    train.run(load_config_file(TINY, **steps), str(tmp_path))
+    assert metrics.read_text() == good
+
+
 def test_a_finished_run_is_reported_again_without_building_anything(tmp_path, capsys, monkeypatch):
     """main's rerun of a finished, intact run (experiments.run_task with reuse_finished) reads
     its files: train.run is not called, the summaries are those of the run, the tables printed

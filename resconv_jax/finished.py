@@ -19,11 +19,12 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from resconv_jax.analysis.summary import fit_floor, run_summaries
+from resconv_jax.config_defaults import base_config
 from resconv_jax.errors import ConfigError
 from resconv_jax.runtime import workdir as wd
 from resconv_jax.runtime.checkpoint import host_state_digest, quiet_failed_io
 from resconv_jax.runtime.metrics import METRICS_FILE, lines_digest, read_metrics_lines, valid_prefix
-from resconv_jax.runtime.workdir import CONFIG_FILE, json_safe, read_saved_config
+from resconv_jax.runtime.workdir import CONFIG_FILE, json_safe, read_saved_config, run_changes
 from resconv_jax.sweep import expand_runs, group_config, group_folder, group_runs
 
 SUMMARY_FILE = "summary.json"
@@ -99,12 +100,17 @@ def refuse_fewer_steps(config, folders) -> None:
 
 
 def why_config_differs(config, folder) -> str | None:
-    """None when FOLDER/config.json is `config`, else why not."""
+    """None when FOLDER/config.json is `config`'s run (`workdir.run_changes`: a change that a
+    resume accepts, such as train.print_every, is the same run), else why not."""
     saved = read_saved_config(folder)
     if saved is None:
         return f"no {CONFIG_FILE}"
-    if saved != json.loads(config.to_json_best_effort()):
-        return f"{CONFIG_FILE} holds another config"
+    current = json.loads(config.to_json_best_effort())
+    defaults = json.loads(base_config().to_json_best_effort())
+    if changed := run_changes(saved, current, defaults):
+        fields = ", ".join(name for name, _, _ in changed[:3])
+        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+        return f"{CONFIG_FILE} holds another config ({fields}{more})"
     return None
 
 

@@ -439,7 +439,9 @@ def test_why_unfinished_names_what_a_run_lacks(tmp_path):
     train.run(config, str(tmp_path))
     assert why_unfinished(config, str(tmp_path)) is None
     longer = load_config_file(TINY, **(short | {"train.num_steps": 20}))
-    assert why_unfinished(longer, str(tmp_path)) == "config.json holds another config"
+    assert why_unfinished(longer, str(tmp_path)) == "metrics.jsonl ends at step 10 of 20"
+    other = load_config_file(TINY, **(short | {"seed": 1}))
+    assert why_unfinished(other, str(tmp_path)) == "config.json holds another config (seed)"
     (tmp_path / "summary.json").write_text("{garbage")
     assert "summary.json" in why_unfinished(config, str(tmp_path))
 

@@ -151,6 +151,32 @@ def test_a_damaged_line_with_a_step_beyond_the_run_is_recomputed_not_refused(tmp
     assert metrics.read_text() == good
 
 
+def test_a_finished_run_rerun_with_a_resumable_change_is_finished_and_left_alone(tmp_path):
+    """main's rerun with only a field that a resume may change (print_every, microbatch_size),
+    or of a run whose config.json lacks a field at its default value, is the same finished run:
+    it used to fail the finished check, resume at the last step and rewrite that step's lines
+    (with another microbatch size, other float bits) and config.json."""
+    import json
+
+    from resconv_jax import experiments
+    from resconv_jax.finished import why_unfinished
+
+    steps = {"train.num_steps": 20, "train.async_checkpoints": False}
+    experiments.run_task(load_config_file(TINY, **steps), str(tmp_path))
+    before = _files(tmp_path)
+    for change in ({"train.print_every": 15}, {"train.microbatch_size": 4}):
+        config = load_config_file(TINY, **steps, **change)
+        assert why_unfinished(config, str(tmp_path)) is None, change
+        experiments.run_task(config, str(tmp_path), reuse_finished=True)  # main's rerun
+        assert _files(tmp_path) == before, change
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["probe"].pop("dtype") == "float32"  # a field added after a run started
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    assert why_unfinished(load_config_file(TINY, **steps), str(tmp_path)) is None
+    other = load_config_file(TINY, **steps, **{"optim.lr": 1e-3})
+    assert why_unfinished(other, str(tmp_path)) == "config.json holds another config (optim.lr)"
+
+
 def test_a_finished_run_is_reported_again_without_building_anything(tmp_path, capsys, monkeypatch):
     """main's rerun of a finished, intact run (experiments.run_task with reuse_finished) reads
     its files: train.run is not called, the summaries are those of the run, the tables printed

@@ -343,23 +343,27 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
-def check_same_run(workdir: str, saved: dict, current: dict, where: str, defaults: dict) -> None:
-    """Raises ConfigError unless `current` may resume the run that `saved` (config JSON) started.
-
-    Only RESUMABLE_CHANGES may differ. A field that `saved` lacks (added since the run started)
-    took its `defaults` value (the base config's JSON) there, if `current` has it. `where` names
-    the saved copy.
-    """
+def run_changes(saved: dict, current: dict, defaults: dict) -> list[tuple[str, object, object]]:
+    """(field, saved value, current value) for each dotted field in which the config JSON
+    `current` makes another run than `saved`: every difference but RESUMABLE_CHANGES. A field
+    that `saved` lacks (added since the run started) took its `defaults` value (the base
+    config's JSON) there, if `current` has it."""
     defaults = _flatten(defaults)
     saved, current = _flatten(saved), _flatten(current)
     saved = {k: v for k, v in defaults.items() if k in current} | saved
-    changed = [
-        k
+    return [
+        (k, saved.get(k), current.get(k))
         for k in sorted(saved.keys() | current.keys())
         if saved.get(k) != current.get(k) and k not in RESUMABLE_CHANGES
     ]
+
+
+def check_same_run(workdir: str, saved: dict, current: dict, where: str, defaults: dict) -> None:
+    """Raises ConfigError unless `current` may resume the run that `saved` (config JSON) started
+    (`run_changes` finds none). `where` names the saved copy."""
+    changed = run_changes(saved, current, defaults)
     if changed:
-        named = ", ".join(f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in changed[:6])
+        named = ", ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in changed[:6])
         more = f" and {len(changed) - 6} more" if len(changed) > 6 else ""
         raise ConfigError(
             f"--workdir={workdir} holds a run with another config ({named}{more}; per {where}); "

@@ -143,6 +143,7 @@ def validate_config(config) -> None:
             bound = {1: "positive", 0: "non-negative"}.get(minimum, f">= {minimum}")
             raise ConfigError(f"config.{field}={value}: must be {bound}")
     _check_microbatch_size(config.train.get("microbatch_size", 0))
+    _check_seeds(config)
     for field in POSITIVE_FLOATS:
         if _get(config, field) is not None:
             _check_lr(f"config.{field}", _get(config, field))
@@ -184,6 +185,27 @@ def _check_microbatch_size(value) -> None:
         f"config.train.microbatch_size={value!r}: expected 0 (the whole batch), a number of "
         "samples per device > 0, or auto"
     )
+
+
+SEED_LIMIT = 2**32
+
+
+def _is_seed(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < SEED_LIMIT
+
+
+def _check_seeds(node, prefix: str = "config") -> None:
+    """Every field named seed or *_seed, alone or a tuple (sweep.seed), must hold integers in
+    [0, 2**32): what jax.random.key and NumPy's generators take alike."""
+    for key, value in node.items():
+        field = f"{prefix}.{key}"
+        if hasattr(value, "items"):
+            _check_seeds(value, field)
+        elif key == "seed" or key.endswith("_seed"):
+            values = value if isinstance(value, tuple | list) else (value,)
+            if not all(map(_is_seed, values)):
+                shown = tuple(value) if isinstance(value, tuple | list) else value
+                raise ConfigError(f"{field}={shown!r}: a seed is an integer in [0, 2**32)")
 
 
 def _check_lr(field: str, value) -> None:

@@ -341,10 +341,21 @@ def test_a_full_disk_at_a_checkpoint_is_one_line(tmp_path, monkeypatch):
         ),
         ({"sweep.lr": (1e-3, float("inf"))}, "config.sweep.lr=(0.001, inf): must be finite"),
         ({"data.num_samples": 100_000_000}, "the data set alone needs"),
+        # They passed, then failed in jax.random.key or NumPy with a traceback (exit 1), or
+        # trained seed 1 for 1.5, without a word.
+        ({"seed": 10**20}, "config.seed=100000000000000000000: a seed is an integer in [0, 2**32)"),
+        (
+            {"sweep.seed": (0, 1.5)},
+            "config.sweep.seed=(0, 1.5): a seed is an integer in [0, 2**32)",
+        ),
+        (
+            {"data.teacher_seed": -1},
+            "config.data.teacher_seed=-1: a seed is an integer in [0, 2**32)",
+        ),
     ],
 )
 def test_bad_values_are_refused_before_anything_is_written(tmp_path, overrides, expected):
-    with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ConfigError, match=re.escape(expected)):
         train.run(tiny(**overrides), str(tmp_path / "w"))
     assert not os.path.exists(tmp_path / "w")
 

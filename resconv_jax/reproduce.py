@@ -64,6 +64,39 @@ from resconv_jax.validation import check_workdir  # noqa: E402
 TIMES_FILE = "reproduce.json"
 
 
+def _is_time_entry(entry) -> bool:
+    """{"seconds": a number, "scale": a name, "code": a commit (optional)}, as `record` writes."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("scale"), str):
+        return False
+    seconds = entry.get("seconds")
+    return isinstance(seconds, int | float) and not isinstance(seconds, bool) and seconds >= 0
+
+
+def read_times(path) -> dict:
+    """reproduce.json's {experiment: {"seconds", "scale", "code"}} (hints for --jobs' order and
+    the report's wall times); {} when there is none. A damaged file (unreadable, torn, or JSON
+    of another shape) is said in one line and rewritten with its well-formed entries."""
+    if not path.exists():
+        return {}
+    try:
+        loaded = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        loaded, problem = None, f"{type(error).__name__}: {str(error)[:80]}"
+    else:
+        problem = "not its format"
+    kept = {}
+    if isinstance(loaded, dict):
+        kept = {name: entry for name, entry in loaded.items() if _is_time_entry(entry)}
+    if kept != loaded:
+        print(
+            f"warning: {path} is damaged ({problem}): the times it recorded are dropped "
+            f"({len(kept)} kept) and it is rewritten; they only order --jobs and the report",
+            flush=True,
+        )
+        wd.write_json(path, kept)
+    return kept
+
+
 def selected(only: tuple[str, ...] = ()) -> tuple[Experiment, ...]:
     """The experiments named in `only` (all when empty), in the claims table's order;
     ValueError naming the known ones for a name that is none of them."""
@@ -144,7 +177,7 @@ def _reproduce_locked(
 ) -> int:
     start = time.perf_counter()
     times_path = wd.path(root) / TIMES_FILE
-    times = json.loads(times_path.read_text()) if times_path.exists() else {}
+    times = read_times(times_path)
 
     def record(outcome: Outcome) -> None:
         if outcome.status in ("ran", "resumed"):

@@ -430,6 +430,26 @@ def test_only_runs_and_reports_just_the_named_experiment(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["rank_collapse"]
 
 
+def test_a_damaged_times_file_is_said_and_rewritten_not_fatal(tmp_path, capsys):
+    """reproduce.json only records each experiment's seconds: torn, or JSON of another shape, it
+    used to stop reproduce (exit 2 with a bare JSON error, or a traceback)."""
+    from resconv_jax import reproduce
+
+    assert reproduce.reproduce(str(tmp_path), "tiny", only=("rank_collapse",)) == 0
+    times = tmp_path / reproduce.TIMES_FILE
+    good = json.loads(times.read_text())
+    assert good["rank_collapse"]["scale"] == "tiny"
+    for damage in (times.read_text()[:30], "[]", '{"rank_collapse": 5}'):
+        times.write_text(damage)
+        capsys.readouterr()
+        assert reproduce.reproduce(str(tmp_path), "tiny", only=("rank_collapse",)) == 0
+        out = capsys.readouterr().out
+        said = [line for line in out.splitlines() if reproduce.TIMES_FILE in line]
+        assert len(said) == 1 and "damaged" in said[0], out
+        assert "finished before: reused" in out
+        assert json.loads(times.read_text()) == {}  # what was readable of it: nothing
+
+
 def test_the_report_names_the_cpu_and_the_cores_this_process_may_use(monkeypatch):
     """The printed digits of a few claims depend on the CPU and on how many cores XLA:CPU splits
     its work over (README, claims section), so REPORT.md says both."""

@@ -36,6 +36,7 @@ class LoopSettings:
     step_losses_until: int  # train.step_losses_until: log every step's loss before this step
     certificate_every: int  # certificate.every: steps between tangent-kernel checks (0: off)
     sweeps_lr: bool  # whether the runs sweep the step size (the divergence message's advice)
+    lr_factor: float | None  # optim.lr_factor under optim.lr_rule=lambda_max, else None
 
     @classmethod
     def from_config(cls, config) -> LoopSettings:
@@ -47,6 +48,7 @@ class LoopSettings:
             step_losses_until=train.step_losses_until,
             certificate_every=config.certificate.every,
             sweeps_lr=bool(config.sweep.lr),
+            lr_factor=config.optim.lr_factor if config.optim.lr_rule == "lambda_max" else None,
         )
 
 
@@ -221,6 +223,7 @@ def _diverged(train: LoopSettings, program: Program, checkpointer, writer, step,
         checkpointer.directory,
         stable_lrs,
         train.sweeps_lr,
+        train.lr_factor,
     )
 
 

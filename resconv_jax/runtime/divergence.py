@@ -49,11 +49,14 @@ def diverged_message(
     directory: str,
     stable_lrs: Callable[[], tuple[np.ndarray, str]],
     sweeps_lr: bool,
+    lr_factor: float | None = None,
 ) -> str:
     """The one-line report of a divergence in the chunk that starts at `step`.
 
     losses: (steps, R) of the chunk. stable_lrs() -> ((R,) stable step sizes 2/λ_max(K) on the
-    task's loss, where λ_max comes from).
+    task's loss, where λ_max comes from). The advice names the option that sets the step size:
+    optim.lr, the sweep.lr values (`sweeps_lr`), or optim.lr_factor under optim.lr_rule =
+    lambda_max (`lr_factor`, each run's η = lr_factor / λ_max(K) at its initialization).
     """
     bad = diverging_runs(losses)
     offset, first = (int(v) for v in np.argwhere(~np.isfinite(losses))[0])
@@ -80,10 +83,18 @@ def diverged_message(
             f"2/lambda_max(K) is not finite ({source}), so no smaller step size would help: "
             "check the data and the weights (a non-finite value in either)"
         )
-    worst = runs[int(bad[np.argmin(stable)])].index
-    suggestion = 0.5 * float(np.min(stable))
-    option = "--config.sweep.lr values at most " if sweeps_lr else "--config.optim.lr="
-    return text + (
-        f"the most restrictive of them, run {worst}, has 2/lambda_max(K) = {np.min(stable):.3g} "
-        f"({source}): rerun on a new --workdir with {option}{suggestion:.3g}"
+    lrs = np.array([runs[r].lr for r in bad], float)
+    # Half of each run's 2/λ_max(K), as the factor of its own η for the λ_max rule.
+    needed = 0.5 * stable / lrs if lr_factor else 0.5 * stable
+    worst = int(np.argmin(needed))
+    text += (
+        f"the most restrictive of them, run {runs[int(bad[worst])].index}, has 2/lambda_max(K) = "
+        f"{stable[worst]:.3g} ({source}): rerun on a new --workdir with "
     )
+    if lr_factor:
+        return text + (
+            f"--config.optim.lr_factor={lr_factor * needed[worst]:.3g} (optim.lr_rule=lambda_max "
+            "sets each η from it)"
+        )
+    option = "--config.sweep.lr values at most " if sweeps_lr else "--config.optim.lr="
+    return text + f"{option}{needed[worst]:.3g}"

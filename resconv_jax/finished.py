@@ -121,7 +121,9 @@ def _why_group_unfinished(config, folder, num_runs: int) -> tuple[str | None, li
     if problem:
         return problem, [], []
     settings = _json(folder / RUNS_FILE)
-    if not isinstance(settings, list) or len(settings) != num_runs:
+    if not (isinstance(settings, list) and len(settings) == num_runs) or not all(
+        isinstance(run, dict) for run in settings
+    ):
         return f"{RUNS_FILE} is missing or does not list the sweep's {num_runs} runs", [], []
     lines = read_metrics_lines(folder)
     total, log_every = config.train.num_steps, config.train.log_every
@@ -162,6 +164,8 @@ def _why_checkpoint_disagrees(folder, prefix, total: int) -> str | None:
     if saved is not None and saved != lines_digest(before):
         return f"{METRICS_FILE} was changed after the checkpoint of step {steps[-1]}"
     digest = meta.get("digest") if isinstance(meta, dict) else None
+    if not isinstance(digest, dict) or meta.get("step") != steps[-1]:
+        return f"the checkpoint of step {steps[-1]} has damaged metadata"
     state_dir = directory / str(steps[-1]) / "state"
     if wd.is_local(state_dir):  # Orbax finds no metadata under a relative path
         state_dir = wd.path(os.path.abspath(state_dir))
@@ -181,7 +185,7 @@ def _why_checkpoint_disagrees(folder, prefix, total: int) -> str | None:
         return f"the checkpoint of step {steps[-1]} cannot be read"
     finally:
         logging.set_verbosity(verbosity)
-    if digest is None or hashes != sorted(digest.values()):
+    if hashes != sorted(digest.values()):
         return f"the checkpoint of step {steps[-1]} does not match its content hashes"
     return None
 

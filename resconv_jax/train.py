@@ -450,7 +450,7 @@ def _restore(config, workdir: epath.Path, checkpointer: Checkpointer, program: P
 
     def accept(state, meta: dict) -> str | None:
         saved = meta.get("metrics_sha256")
-        before = [text for text, record in prefix if record["step"] < meta.get("step", 0)]
+        before = [text for text, record in prefix if record["step"] < meta["step"]]
         if saved is not None and saved != lines_digest(before):
             return (
                 f"does not match the lines of {METRICS_FILE} before it (they were changed after "

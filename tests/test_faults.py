@@ -220,6 +220,45 @@ def test_a_failed_tensorstore_read_that_nobody_awaited_is_not_printed(tmp_path, 
     assert "never retrieved" in caplog.text and "not TensorStore's" in caplog.text
 
 
+def _edit_meta(workdir, step: int, edit) -> None:
+    path = workdir / "checkpoints" / str(step) / "meta" / "metadata"
+    meta = json.loads(path.read_text())
+    edit(meta)
+    path.write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda meta: meta.update(digest=list(meta["digest"].values())),
+        lambda meta: meta.update(step="40"),
+        lambda meta: meta.pop("digest"),
+    ],
+    ids=["digest a list", "step a string", "no digest"],
+)
+def test_checkpoint_metadata_of_another_shape_is_a_damaged_checkpoint(tmp_path, reference, damage):
+    """Metadata that reads as JSON but is not what a save writes: each gave a traceback (exit 1)
+    in the finished check or the resume, or (no hashes) was restored unverified while the
+    finished check refused it, so that no rerun ever settled. Now the checkpoint is skipped,
+    the run is resumed from the one before, and the next check finds it finished."""
+    from resconv_jax.finished import why_unfinished
+
+    train.run(tiny(), str(tmp_path))
+    _edit_meta(tmp_path, 40, damage)
+    assert why_unfinished(tiny(), str(tmp_path)).startswith("the checkpoint of step 40")
+    train.run(tiny(), str(tmp_path))
+    assert open(metrics_path(tmp_path)).read() == reference
+    assert why_unfinished(tiny(), str(tmp_path)) is None
+
+
+def test_a_runs_file_of_another_shape_is_not_a_finished_run(tmp_path):
+    from resconv_jax.finished import RUNS_FILE, why_unfinished
+
+    train.run(tiny(), str(tmp_path))
+    (tmp_path / RUNS_FILE).write_text("[1, 2, 3]")  # as many entries as runs, not runs
+    assert "runs.json is missing or does not list" in why_unfinished(tiny(), str(tmp_path))
+
+
 def test_no_readable_checkpoint_says_the_run_restarts(tmp_path, reference, capsys):
     partial_run(tmp_path)
     for step in (10, 20, 30):

@@ -269,9 +269,9 @@ class Checkpointer:
             return f"is unreadable ({reason})", None, {}
         meta = restored.meta if isinstance(restored.meta, dict) else {}
         saved = meta.get("digest")
-        if saved is None:
-            logging.warning("checkpoint at step %d has no content hashes: not verified", step)
-        elif (actual := state_digest(restored.state)) != saved:
+        if not isinstance(saved, dict) or meta.get("step") != step:
+            return "has damaged metadata (no content hashes or another step)", None, {}
+        if (actual := state_digest(restored.state)) != saved:
             bad = sorted(k for k in saved.keys() | actual.keys() if saved.get(k) != actual.get(k))
             return f"does not match its content hashes (at {', '.join(bad[:3])})", None, {}
         return None, restored.state, meta

@@ -122,6 +122,29 @@ def test_certificate_is_judged_only_inside_its_premise(tmp_path):
     assert too_large.verdict == claims.NOT_RUN  # η·λ_max = 2 > 1
 
 
+def test_the_certificate_row_gives_its_margin_and_the_largest_eta_lambda_max(tmp_path):
+    """The premise is η·λ_max(K) ≤ 1 at initialization (the protocol's); the row also says how
+    far past 1 it went at later checks and how close the closest check came to its bound, so a
+    verdict on a knife edge reads as one."""
+    folder = tmp_path / "a"
+    config = {"model": {"transformer": {"activation": "softplus"}, "dtype": "float64"},
+              "optim": {"reduction": "sum"}}  # fmt: skip
+    runs = [{"run": 0, "beta_attn": 0, "certificate_hold_fraction": 1.0, "certificate_checks": 2}]
+    _summary(folder, runs, config)
+    checks = [  # (step, loss, 2/λ_max(K), L_{t+1}/L_t, bound)
+        (0, 10.0, 2 / 900, 0.5, 0.6),
+        (10, 5.0, 2 / 1120, 0.599999, 0.6),
+        (20, 1e-30, 2 / 5000, 0.7, 0.6),  # below the fit floor: not a check of the claim
+    ]
+    keys = ("step", "loss", "ntk/stable_lr", "contraction", "ntk/bound")
+    lines = [dict(zip(keys, check, strict=True)) | {"run": 0, "lr": 1e-3} for check in checks]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    row = convergence.certificate(str(folder))
+    assert row.verdict == claims.HOLDS, row
+    assert "smallest margin 1 − (L_{t+1}/L_t)/bound over the checks: 1.7e-06" in row.note
+    assert "largest η·λ_max(K) over the checks: 1.12" in row.note
+
+
 def test_multilayer_needs_every_depth(tmp_path):
     values = ((1, 0, 0.999), (1, 1, 0.995), (2, 0, 0.97), (2, 1, 0.999))
     rows = [{"num_layers": L, "beta_attn": b, "beta_ffn": b, "rate_r2": r2} for L, b, r2 in values]

@@ -97,9 +97,32 @@ def certificate(workdir) -> Claim:
     rule = config["optim"].get("lr_rule") == "lambda_max"
     how = f", by construction (η = {config['optim']['lr_factor']:g}/λ_max)" if rule else ""
     note = f"activation {activation}; η·λ_max(K) at init ≤ 1: {lr_ok}{how}"
+    note += _margins(read_metrics(workdir), runs, config["model"].get("dtype", "float32"))
     if activation == "relu" or not lr_ok:
         return dataclasses.replace(claim, value=value, note=note + " (outside the claim's premise)")
     return dataclasses.replace(claim, value=value, verdict=claims.verdict(ok), note=note)
+
+
+def _margins(history: list[dict], runs: list[dict], dtype: str) -> str:
+    """'; smallest margin ...: m; largest η·λ_max(K) ...: x' over every run's checks above the
+    fit floor (the checks the hold fraction counts), or '' without any."""
+    margins, products = [], []
+    for run in runs:
+        lines = [line for line in history if line["run"] == run.get("run", 0)]
+        losses = series(lines, run.get("run", 0), "loss")[1]
+        if not losses.size:
+            continue
+        floor = fit_floor(dtype) * losses[0]
+        for line in lines:
+            if "ntk/bound" in line and "contraction" in line and line["loss"] > floor:
+                margins.append(1 - line["contraction"] / line["ntk/bound"])
+                products.append(2 * line["lr"] / line["ntk/stable_lr"])
+    if not margins:
+        return ""
+    return (
+        f"; smallest margin 1 − (L_{{t+1}}/L_t)/bound over the checks: {min(margins):.2g}; "
+        f"largest η·λ_max(K) over the checks: {max(products):.3g}"
+    )
 
 
 def _lr_below_one_over_lambda_max(workdir) -> bool:

@@ -202,6 +202,10 @@ def rate_vs_conditioning(workdir, threshold: float = 0.9, min_ratio: float = 2.0
         return dataclasses.replace(claim, value=value, note=f"no width d ≥ {min_ratio:g}·P·M")
     rho_k = ", ".join(f"d={r['dim']}: {r[RHO_ETA_LAMBDA_MIN]:.3f}" for r in table)
     note = f"ρ against η·λ_min(K): {rho_k}"
+    if all("rho_beta" in r for r in table):  # β orders the speeds too: row 2″ holds it fixed
+        note += "; ρ against β alone: " + ", ".join(
+            f"d={r['dim']}: {r['rho_beta']:.3f}" for r in table
+        )
     if undefined := [r for r in held if not math.isfinite(r[RHO_Z_INIT])]:
         why = "; ".join(
             f"ρ is undefined at d={r['dim']} ({r.get('fitted_runs', '?')} of {r['runs']} runs "

@@ -279,3 +279,18 @@ def test_a_folder_without_every_output_is_unfinished(tiny_run, tmp_path):
         shutil.copytree(workdir, copy)
         os.remove(copy / name)
         assert name in rank_collapse.why_unfinished(tiny(), str(copy))
+
+
+def test_a_table_of_an_earlier_version_is_unfinished(tiny_run, tmp_path):
+    """A rank_collapse.csv without a column this version writes (attn_ratio_p_max/max, the
+    worst sample, was added on 2026-12-07) is rerun, not reused with the column missing."""
+    workdir, _ = tiny_run
+    copy = tmp_path / "older"
+    shutil.copytree(workdir, copy)
+    table = copy / rank_collapse.CSV_FILE
+    lines = table.read_text().splitlines()
+    header = lines[0].split(",")
+    keep = [i for i, name in enumerate(header) if not name.startswith("attn_ratio_p_max")]
+    table.write_text("\n".join(",".join(line.split(",")[i] for i in keep) for line in lines))
+    assert "columns" in rank_collapse.why_unfinished(tiny(), str(copy))
+    assert rank_collapse.why_unfinished(tiny(), str(workdir)) is None

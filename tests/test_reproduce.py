@@ -102,6 +102,18 @@ def test_residual_conditioning_uses_the_worst_seed(tmp_path):
         assert rank_collapse.residual_conditioning(str(tmp_path / name)).verdict == verdict
 
 
+def test_claim_3_gives_the_worst_sample_of_every_seed_in_its_note(tmp_path):
+    """Claim 3 says rank one per sample; the row tests the per-seed means of the samples' ratios
+    (as first defined) and says, beside, how far the worst single sample is."""
+    row = {"qk_init": "1/d_qk", "d_qk": 4096, "attn_ratio_p_mean/max": 5e-6,
+           "z_ratio_p_mean/min": 0.2, "attn_ratio_p_max/max": 3.2e-4,
+           "z_ratio_p_min/min": 0.15}  # fmt: skip
+    write_csv(tmp_path / "rank_collapse.csv", [row])
+    claim = rank_collapse.residual_conditioning(str(tmp_path))
+    assert claim.verdict == claims.HOLDS
+    assert "worst single sample of any seed: Attn(X) 0.00032, Attn(X) + X 0.15" in claim.note
+
+
 def _certificate_dir(folder, fraction, activation, lam_max):
     config = {"model": {"transformer": {"activation": activation}}, "optim": {"reduction": "sum"},
               "data": {"num_samples": 8, "seq_len": 8}}  # fmt: skip

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import time
 
 import huggingface_hub
@@ -252,6 +253,20 @@ def test_checkpoint_errors_name_every_bad_key(tmp_path, tensors):
     assert "transformer.h.0.attn.c_q.weight" in message
     assert "transformer.h.7.ln_1.weight" in message
     assert "transformer.h.1.attn.c_attn.weight (48, 16) (model (16, 48))" in message
+
+
+@pytest.mark.parametrize(
+    "tensor, match",
+    [
+        (np.ones((16,), np.int32), "h.0.ln_1.weight is int32, not a floating-point tensor"),
+        (np.full((16,), np.nan, np.float32), "h.0.ln_1.weight holds non-finite values"),
+    ],
+)
+def test_a_tensor_that_is_not_finite_floats_is_refused(tmp_path, tensors, tensor, match):
+    """An int32 tensor was cast and trained (final loss 2.5e12), a NaN one 'diverged'."""
+    bad = dict(tensors) | {"h.0.ln_1.weight": tensor}
+    with pytest.raises(weights.WeightsError, match=re.escape(match)):
+        load(save_checkpoint(tmp_path, bad))
 
 
 def test_n_layer_is_checked_against_the_blocks_in_the_file(tmp_path, tensors):

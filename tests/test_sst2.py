@@ -297,6 +297,45 @@ def test_a_one_element_depth_sweep_beyond_the_checkpoint_is_refused(tmp_path):
     assert not (tmp_path / "w").exists()
 
 
+def _small_random_gpt2(**overrides):
+    from resconv_jax.config_defaults import load_config_file
+
+    config = load_config_file(
+        os.path.join(os.path.dirname(__file__), "..", "configs", "sst2.py"),
+        **{"model.gpt2.weights": "random", "sweep.num_layers": (1,), "sweep.beta": (1.0,),
+           "data.num_train": 8, "data.max_tokens": 8, "data.num_val": 16,
+           "train.num_steps": 2, **overrides},
+    )  # fmt: skip
+    with config.unlocked():
+        config.model.gpt2.shape.update(n_embd=16, n_head=2, n_layer=2, n_positions=64)
+    return config
+
+
+def test_token_ids_beyond_the_vocabulary_are_refused_before_anything_is_written(tmp_path):
+    """They trained NaN from step 0 (an embedding lookup past the table) and stopped as
+    'diverged', exit 1, leaving the workdir."""
+    from resconv_jax import train
+
+    config = _small_random_gpt2()
+    with config.unlocked():
+        config.model.gpt2.shape.vocab_size = 1000
+    with pytest.raises(ValueError, match=r"token ids up to \d+ but GPT-2's vocab_size is 1000"):
+        train.run(config, str(tmp_path / "w"))
+    assert not (tmp_path / "w").exists()
+
+
+def test_the_classifier_has_a_class_for_every_label_of_train_and_validation(tmp_path):
+    """One training sentence (label 0) gave a one-class head, and its 'validation accuracy' was
+    the share of label 0 in dev."""
+    from resconv_jax.data import load_dataset
+    from resconv_jax.models import build_model
+
+    config = _small_random_gpt2(**{"data.num_train": 1, "data.seed": 1})
+    dataset = load_dataset(config)
+    assert np.asarray(dataset.y_train).tolist() == [0]
+    assert "a (16, 2) head" in build_model(config.model, dataset).description
+
+
 def test_the_sst2_claims_refuse_runs_that_differ_in_lr(tmp_path):
     """An lr sweep's tables carry an lr column: 5b and 5b″ compare β within one lr, so on such
     a folder they are not run and say why (they used to keep one lr's error per cell, silently)."""

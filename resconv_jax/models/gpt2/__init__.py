@@ -9,6 +9,7 @@ from __future__ import annotations
 import ml_collections
 import numpy as np
 
+from resconv_jax.errors import WeightsError
 from resconv_jax.models.gpt2 import modeling, weights
 from resconv_jax.models.interface import Model, RunSettings
 
@@ -66,6 +67,19 @@ def _rank_note(dataset, d: int) -> str:
     )
 
 
+def _check_token_ids(dataset, vocab_size: int) -> None:
+    """WeightsError (one line) when a token id of the data is past the embedding table (its
+    lookup would give NaN from the first step): a tokenizer of another vocabulary."""
+    inputs = [dataset.x_train] + ([dataset.x_val] if dataset.x_val is not None else [])
+    largest = max(int(np.max(x["ids"])) for x in inputs)
+    if largest >= vocab_size:
+        raise WeightsError(
+            f"the data has token ids up to {largest} but GPT-2's vocab_size is {vocab_size}: "
+            "use the tokenizer of these weights (data.tokenizer_dir) or a larger "
+            "model.gpt2.shape.vocab_size"
+        )
+
+
 def _forward(graphdef, params, inputs, settings: RunSettings, *, return_intermediates=False):
     return modeling.apply(
         graphdef, params, inputs, *settings, return_intermediates=return_intermediates
@@ -77,7 +91,8 @@ def build(model_cfg, dataset) -> Model:
     integer labels (P,); the body from `config.model.gpt2.weights`, the head (and, for random
     weights, everything) drawn from each run's seed."""
     own = model_cfg[NAME]
-    num_classes = int(np.max(dataset.y_train)) + 1
+    labels = [dataset.y_train] + ([dataset.y_val] if dataset.y_val is not None else [])
+    num_classes = max(2, *(int(np.max(y)) + 1 for y in labels))  # a class for every label seen
     shape = dict(own.shape) if own.weights == "random" else None
     cfg, graphdef, body = weights.load_gpt2(
         own.weights,
@@ -87,6 +102,8 @@ def build(model_cfg, dataset) -> Model:
         shape=shape,
         dtype=model_cfg.dtype,
     )
+
+    _check_token_ids(dataset, cfg.vocab_size)
 
     def init(seed: int) -> dict:
         if shape:  # a random model: all of it from the run's seed

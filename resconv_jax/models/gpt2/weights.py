@@ -31,6 +31,7 @@ import huggingface_hub.constants
 import huggingface_hub.errors
 import jax
 import jax.numpy as jnp
+import numpy as np
 import safetensors
 from absl import logging
 from flax import nnx, traverse_util
@@ -253,7 +254,19 @@ def _read_body(path: Path, model_shapes: dict, cfg: gpt2.GPT2Config) -> dict[str
     """{model path: array in cfg.dtype} for every non-head path, after checking every key."""
     with _opened(path) as file:
         plan = _match_keys(_file_shapes(file), model_shapes, cfg, path)
-        return {dest: jnp.asarray(file.get_tensor(key), cfg.dtype) for dest, key in plan.items()}
+        return {
+            dest: jnp.asarray(_finite(file, key, path), cfg.dtype) for dest, key in plan.items()
+        }
+
+
+def _finite(file, key: str, path: Path) -> np.ndarray:
+    """Tensor `key` of an open safetensors file; WeightsError unless it is finite floats."""
+    tensor = file.get_tensor(key)
+    if not np.issubdtype(tensor.dtype, np.floating):
+        raise WeightsError(f"{path}: {key} is {tensor.dtype}, not a floating-point tensor")
+    if not np.isfinite(tensor).all():
+        raise WeightsError(f"{path}: {key} holds non-finite values")
+    return tensor
 
 
 @contextlib.contextmanager

@@ -140,10 +140,10 @@ def _check_config(cfg: Any) -> dict[str, Any]:
         raise JenaDataError(f"jena config: sha256 must be 64 hex digits, got {c['sha256']!r}")
     c["sha256"] = sha
     c["seq_len"] = _int_field(cfg, "seq_len", d.seq_len, 1)
-    c["num_train"] = _int_field(cfg, "num_train", d.num_train, -1)
-    if c["num_train"] == 0:
-        raise JenaDataError("jena config: num_train must be -1 (all) or > 0, got 0")
-    c["num_val"] = _int_field(cfg, "num_val", d.num_val, -1)
+    for key in ("num_train", "num_val"):  # 0 windows: an empty mean, a val_loss of 0.0
+        c[key] = _int_field(cfg, key, d[key], -1)
+        if c[key] == 0:
+            raise JenaDataError(f"jena config: {key} must be -1 (all) or > 0, got 0")
     c["stride"] = _int_field(cfg, "stride", d.stride, 0) or c["seq_len"]
     c["lift_dim"] = _int_field(cfg, "lift_dim", d.lift_dim, 0)
     c["lift_seed"] = _int_field(cfg, "lift_seed", d.lift_seed, 0)

@@ -6,6 +6,7 @@ import gzip
 import hashlib
 import json
 import os
+import re
 from importlib import resources
 from pathlib import Path
 
@@ -107,6 +108,29 @@ def test_tokenizer_dir_takes_precedence(tmp_path: Path):
     with pytest.raises(SST2DataError, match=r"tokenizer.json: not a tokenizer") as err:
         gpt2_tokenizer(str(tmp_path / "bad"))
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "vocab, merges, match",
+    [
+        ("[1, 2]", None, "vocab.json: not a JSON vocabulary (expected an object of token: id)"),
+        (None, "#version: 0.2\n", "merges.txt: no merges"),
+        ('{"a": 0, "b": 1}', "a c\n", "not a GPT-2 BPE tokenizer"),
+    ],
+    ids=["vocab a list", "no merges", "a merge outside the vocabulary"],
+)
+def test_a_damaged_tokenizer_folder_is_one_line(tmp_path: Path, vocab, merges, match):
+    """A list for vocab.json and a merge outside the vocabulary gave tracebacks (exit 1); an
+    empty merges.txt tokenized byte by byte without a word."""
+    (tmp_path / "vocab.json").write_text(
+        vocab if vocab is not None else bundled_bytes(sst2.BUNDLED_VOCAB).decode()
+    )
+    (tmp_path / "merges.txt").write_bytes(
+        merges.encode() if merges is not None else bundled_bytes(sst2.BUNDLED_MERGES)
+    )
+    with pytest.raises(SST2DataError, match=re.escape(match)) as error:
+        gpt2_tokenizer(str(tmp_path))
+    assert "\n" not in str(error.value)
 
 
 def test_bundled_sample_parses(bundled):

@@ -149,9 +149,16 @@ def _check_config(cfg: Any) -> dict[str, Any]:
     return c
 
 
-def _bpe_tokenizer(vocab: dict[str, int], merges: list[tuple[str, str]]) -> tokenizers.Tokenizer:
-    """GPT-2's tokenizer: byte-level BPE, no prefix space, <|endoftext|> special."""
-    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges))
+def _bpe_tokenizer(
+    vocab: dict[str, int], merges: list[tuple[str, str]], name: str
+) -> tokenizers.Tokenizer:
+    """GPT-2's tokenizer: byte-level BPE, no prefix space, <|endoftext|> special; `name` is
+    where vocab and merges were read (for the one-line error when they do not fit together)."""
+    try:
+        tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    except Exception as e:  # tokenizers raises its own Exception type
+        problem = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise _in_file(name, f"not a GPT-2 BPE tokenizer ({problem})") from None
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     tok.decoder = decoders.ByteLevel()
@@ -165,6 +172,12 @@ def _parse_vocab_merges(vocab_text: bytes, merges_text: bytes, name: str):
         vocab = json.loads(vocab_text)
     except ValueError as e:
         raise _in_file(f"{name}/vocab.json", f"not a JSON vocabulary ({e})") from None
+    if not (isinstance(vocab, dict) and vocab) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in vocab.values()
+    ):
+        raise _in_file(
+            f"{name}/vocab.json", "not a JSON vocabulary (expected an object of token: id)"
+        )
     merges = []
     for i, row in enumerate(decode_text(merges_text, f"{name}/merges.txt").split("\n"), start=1):
         if not row or (i == 1 and row.startswith("#version")):
@@ -173,6 +186,8 @@ def _parse_vocab_merges(vocab_text: bytes, merges_text: bytes, name: str):
         if len(pair) != 2:
             raise _in_file(f"{name}/merges.txt", f"expected 'left right', got {row[:SHOWN]!r}", i)
         merges.append((pair[0], pair[1]))
+    if not merges:  # BPE without merges splits every word into bytes
+        raise _in_file(f"{name}/merges.txt", "no merges")
     return vocab, merges
 
 
@@ -181,7 +196,7 @@ def gpt2_tokenizer(tokenizer_dir: str = "") -> tokenizers.Tokenizer:
     """The GPT-2 tokenizer: bundled, or from `tokenizer_dir` (tokenizer.json, else vocab+merges)."""
     if not tokenizer_dir:
         vocab_merges = (bundled_bytes(BUNDLED_VOCAB), bundled_bytes(BUNDLED_MERGES))
-        return _bpe_tokenizer(*_parse_vocab_merges(*vocab_merges, "bundled GPT-2"))
+        return _bpe_tokenizer(*_parse_vocab_merges(*vocab_merges, "bundled GPT-2"), "bundled GPT-2")
     folder = Path(tokenizer_dir)
     if (folder / "tokenizer.json").is_file():
         try:
@@ -192,7 +207,7 @@ def gpt2_tokenizer(tokenizer_dir: str = "") -> tokenizers.Tokenizer:
     if not ((folder / "vocab.json").is_file() and (folder / "merges.txt").is_file()):
         raise _in_file(tokenizer_dir, "no tokenizer.json, nor vocab.json and merges.txt")
     texts = [read_tsv_bytes(folder / n)[0] for n in ("vocab.json", "merges.txt")]
-    return _bpe_tokenizer(*_parse_vocab_merges(*texts, tokenizer_dir))
+    return _bpe_tokenizer(*_parse_vocab_merges(*texts, tokenizer_dir), tokenizer_dir)
 
 
 def tokenize(tok: tokenizers.Tokenizer, sentences, max_tokens: int):

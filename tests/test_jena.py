@@ -248,6 +248,16 @@ def test_config_errors(hourly, overrides, problem):
         load_jena(file_cfg(hourly[0], **overrides))
 
 
+@pytest.mark.parametrize("source, field", [("download", "cache_dir"), ("tfds", "tfds_data_dir")])
+def test_a_folder_that_cannot_be_created_is_one_line(tmp_path, source, field):
+    """They were NotADirectoryError tracebacks (exit 1)."""
+    (tmp_path / "file").write_text("")
+    cfg = jena.default_config()
+    cfg.update({"source": source, field: str(tmp_path / "file" / "x")})
+    with pytest.raises(JenaDataError, match=f"{field}=.*cannot be created"):
+        load_jena(cfg)
+
+
 def test_bundled_sample_default_config_and_lift():
     cfg = jena.default_config()
     s = load_jena(cfg)

@@ -295,6 +295,14 @@ def test_tfds_builder_gives_the_same_arrays(tmp_path: Path, small_folder: Path):
         sst2_tfds.load_tables(data_dir)  # the bundled sample is other data
 
 
+def test_a_tfds_folder_that_cannot_be_created_is_one_line(tmp_path: Path):
+    """It was a NotADirectoryError traceback (exit 1)."""
+    (tmp_path / "file").write_text("")
+    cfg = cfg_for(source="tfds", tfds_data_dir=str(tmp_path / "file" / "x"))
+    with pytest.raises(SST2DataError, match="tfds_data_dir=.*cannot be created"):
+        load_sst2(cfg)
+
+
 def test_tfds_bad_data_writes_nothing(tmp_path: Path):
     from resconv_jax.data.formats import sst2_tfds
 

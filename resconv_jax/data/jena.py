@@ -28,7 +28,7 @@ import ml_collections
 import numpy as np
 
 from resconv_jax.data import Dataset
-from resconv_jax.data.formats.fields import int_field
+from resconv_jax.data.formats.fields import int_field, made_folder
 from resconv_jax.data.formats.jena_csv import (
     BUNDLED_FULL_NAME,
     BUNDLED_NAME,
@@ -169,7 +169,7 @@ def download_zip(cache_dir: Path) -> Path:
     zip_path = cache_dir / JENA_ZIP_NAME
     if zip_path.exists():
         return zip_path
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    made_folder(cache_dir, error=JenaDataError, label="jena", field="cache_dir")
     part = zip_path.with_name(JENA_ZIP_NAME + ".part")
     try:
         with urllib.request.urlopen(JENA_URL, timeout=DOWNLOAD_TIMEOUT_S) as resp:
@@ -210,6 +210,7 @@ def load_table(cfg: Any) -> tuple[JenaTable, str]:
     from resconv_jax.data.formats import jena_tfds  # tensorflow_datasets is slow to import
 
     data_dir = c["tfds_data_dir"] or str(_cache_dir(c) / "tfds")
+    made_folder(data_dir, error=JenaDataError, label="jena", field="tfds_data_dir")
     table = jena_tfds.load_table(data_dir, c["path"] or None)
     return table, f"tfds jena_climate in {data_dir} (from {table.name})"
 

@@ -32,7 +32,7 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors
 
 from resconv_jax.data import Dataset
-from resconv_jax.data.formats.fields import int_field
+from resconv_jax.data.formats.fields import int_field, made_folder
 from resconv_jax.data.formats.sst2_tsv import (
     BUNDLED_DEV,
     BUNDLED_FULL_TRAIN,
@@ -251,6 +251,7 @@ def load_tables(cfg: Any) -> tuple[SST2Table, SST2Table, str]:
     from resconv_jax.data.formats import sst2_tfds  # tensorflow_datasets is slow to import
 
     data_dir = c["tfds_data_dir"] or str(Path("~/.cache/resconv_jax/tfds").expanduser())
+    made_folder(data_dir, error=SST2DataError, label="sst2", field="tfds_data_dir")
     train, dev = sst2_tfds.load_tables(data_dir, c["path"] or None)
     return train, dev, f"tfds sst2 in {data_dir} (from {train.name} + {dev.name})"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -14,3 +15,15 @@ def int_field(cfg: Any, name: str, default: int, minimum: int, *, error: type, l
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
         raise error(f"{label} config: {name} must be an integer >= {minimum}, got {value!r}")
     return int(value)
+
+
+def made_folder(folder: str | Path, *, error: type, label: str, field: str) -> Path:
+    """`folder`, created if missing; `error` in one line when it cannot be
+    ("<label> config: <field>=<folder> cannot be created (<reason>)")."""
+    path = Path(folder).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+        raise error(f"{label} config: {field}={folder} cannot be created ({reason})") from None
+    return path

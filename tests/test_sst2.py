@@ -155,6 +155,45 @@ def test_bundled_files_match_their_provenance():
         assert stored in notes, name
 
 
+def _damaged_bundle(tmp_path, monkeypatch, module, name: str, content: bytes) -> None:
+    """The package's bundled folder, copied to tmp_path with `name` replaced by `content` (gz),
+    and seen by `module` (its `resources`) in its place."""
+    import shutil
+    import types
+
+    folder = tmp_path / "bundled"
+    shutil.copytree(resources.files("resconv_jax.data") / "bundled", folder)
+    (folder / name).write_bytes(gzip.compress(content))
+    fake = types.SimpleNamespace(files=lambda package: tmp_path)
+    monkeypatch.setattr(module, "resources", fake)
+
+
+@pytest.mark.parametrize("name", [BUNDLED_DEV, sst2.BUNDLED_MERGES])
+def test_a_damaged_bundled_file_is_one_line_naming_the_reinstall(tmp_path, monkeypatch, name):
+    """A dev split cut to 100 rows loaded as 'val 100 rows of 100', a merges file cut to its
+    header tokenized byte by byte: the bundled files are checked against their sha256."""
+    from resconv_jax.data.formats import sst2_tsv
+
+    cut = b"\n".join(bundled_bytes(name).split(b"\n")[:101]) + b"\n"
+    _damaged_bundle(tmp_path, monkeypatch, sst2_tsv, name, cut)
+    gpt2_tokenizer.cache_clear()
+    try:
+        with pytest.raises(SST2DataError, match=f"{name} \\(bundled\\): sha256 .* reinstall"):
+            load_sst2(cfg_for(num_train=8))
+    finally:
+        gpt2_tokenizer.cache_clear()
+
+
+def test_the_jena_tfds_source_checks_the_bundled_sample(tmp_path, monkeypatch):
+    from resconv_jax.data.formats import jena_csv, jena_tfds
+    from resconv_jax.errors import JenaDataError
+
+    sample = gzip.decompress(jena_csv.bundled_csv_bytes())
+    _damaged_bundle(tmp_path, monkeypatch, jena_csv, jena_csv.BUNDLED_NAME, sample[:-5000])
+    with pytest.raises(JenaDataError, match="sha256 .* reinstall"):
+        jena_tfds._source(None)
+
+
 def test_the_full_bundled_train_split_is_every_glue_row():
     from resconv_jax.data.formats.sst2_tsv import BUNDLED_FULL_TRAIN, bundled_tables
 

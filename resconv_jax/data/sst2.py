@@ -36,7 +36,10 @@ from resconv_jax.data.formats.fields import int_field, made_folder
 from resconv_jax.data.formats.sst2_tsv import (
     BUNDLED_DEV,
     BUNDLED_FULL_TRAIN,
+    BUNDLED_MERGES,
+    BUNDLED_SHA256,
     BUNDLED_TRAIN,
+    BUNDLED_VOCAB,
     SHOWN,
     SST2Table,
     bundled_bytes,
@@ -50,6 +53,7 @@ from resconv_jax.data.formats.sst2_tsv import (
 from resconv_jax.errors import SST2DataError, in_file
 
 __all__ = [
+    "BUNDLED_SHA256",
     "EOS_ID",
     "PAD_ID",
     "SST2DataError",
@@ -74,16 +78,6 @@ NAME = __name__.rpartition(".")[2]
 EOS_ID = 50256  # GPT-2's <|endoftext|>
 PAD_ID = EOS_ID  # padding id; the mask, not the id, marks padding
 SOURCES = ("bundled", "bundled_full", "file", "tfds")
-BUNDLED_VOCAB = "gpt2_vocab.json.gz"
-BUNDLED_MERGES = "gpt2_merges.txt.gz"
-# sha256 of the decompressed bundled files (see the provenance files beside them).
-BUNDLED_SHA256 = {
-    BUNDLED_TRAIN: "ff2a277b0ea2b260df5842ab0c027c2b82fdc1dffacb8da0ca3f30781eb90564",
-    BUNDLED_DEV: "54a9c12c77e402fc14d6a66a506f24d999f596b0176eb777c972cccc2f9cc4b0",
-    BUNDLED_FULL_TRAIN: "48eac26399f8456935f81dd9e3a745c1430adb6c62e233ccfe22db4a0d15d1d1",
-    BUNDLED_VOCAB: "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
-    BUNDLED_MERGES: "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
-}
 
 
 _in_file = functools.partial(in_file, SST2DataError)

@@ -12,7 +12,6 @@ standardization happen afterwards in `jena.make_splits`, exactly as for the CSV 
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import os
 from typing import Any
@@ -23,7 +22,7 @@ import tensorflow_datasets as tfds
 from resconv_jax.data.formats.jena_csv import (
     BUNDLED_NAME,
     JenaTable,
-    bundled_csv_bytes,
+    bundled_csv,
     parse_jena_csv,
     read_csv_bytes,
 )
@@ -36,7 +35,7 @@ _MANUAL_SUFFIXES = (".csv", ".csv.gz", ".csv.zip", ".zip")
 def _source(csv_path: str | None) -> tuple[bytes, str]:
     """CSV text and name of `csv_path`, or of the bundled sample if None."""
     if csv_path is None:
-        return gzip.decompress(bundled_csv_bytes()), f"{BUNDLED_NAME} (bundled)"
+        return bundled_csv(), f"{BUNDLED_NAME} (bundled)"
     return read_csv_bytes(csv_path)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gzip
+import hashlib
 import zlib
 from importlib import resources
 from pathlib import Path
@@ -19,6 +20,16 @@ SPLIT_FILES = {"train": "train.tsv", "dev": "dev.tsv"}
 BUNDLED_TRAIN = "sst2_train_head4000.tsv.gz"
 BUNDLED_DEV = "sst2_dev.tsv.gz"
 BUNDLED_FULL_TRAIN = "sst2_train.tsv.gz"  # all 67,349 rows of GLUE's train.tsv
+BUNDLED_VOCAB = "gpt2_vocab.json.gz"
+BUNDLED_MERGES = "gpt2_merges.txt.gz"
+# sha256 of the decompressed bundled files (see the provenance files beside them).
+BUNDLED_SHA256 = {
+    BUNDLED_TRAIN: "ff2a277b0ea2b260df5842ab0c027c2b82fdc1dffacb8da0ca3f30781eb90564",
+    BUNDLED_DEV: "54a9c12c77e402fc14d6a66a506f24d999f596b0176eb777c972cccc2f9cc4b0",
+    BUNDLED_FULL_TRAIN: "48eac26399f8456935f81dd9e3a745c1430adb6c62e233ccfe22db4a0d15d1d1",
+    BUNDLED_VOCAB: "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+    BUNDLED_MERGES: "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+}
 SHOWN = 40  # characters of a bad field quoted in a message
 
 _in_file = functools.partial(in_file, SST2DataError)
@@ -122,8 +133,19 @@ def split_file(folder: str | Path, split: str) -> Path:
 
 
 def bundled_bytes(name: str) -> bytes:
-    """The decompressed content of a bundled file (see the provenance files in bundled/)."""
-    return gzip.decompress((resources.files("resconv_jax.data") / "bundled" / name).read_bytes())
+    """The decompressed content of a bundled file (see the provenance files in bundled/),
+    checked against its sha256 (SST2DataError for a damaged install)."""
+    try:
+        raw = (resources.files("resconv_jax.data") / "bundled" / name).read_bytes()
+        content = gzip.decompress(raw)
+    except (OSError, EOFError, zlib.error) as e:
+        raise SST2DataError(f"{name} (bundled): unreadable ({e}); reinstall resconv_jax") from None
+    if (got := hashlib.sha256(content).hexdigest()) != BUNDLED_SHA256[name]:
+        raise SST2DataError(
+            f"{name} (bundled): sha256 {got} is not the packaged file's {BUNDLED_SHA256[name]}; "
+            "reinstall resconv_jax"
+        )
+    return content
 
 
 def bundled_tables(full: bool = False) -> tuple[SST2Table, SST2Table]:

@@ -241,6 +241,7 @@ def test_missing_file_too_few_rows_and_file_hash(tmp_path: Path, hourly):
         ({"sha256": "abc"}, "64 hex digits"),
         ({"num_train": 0}, "num_train must be -1"),
         ({"num_val": 0}, "num_val must be -1"),  # gave a val_loss of 0.0
+        ({"source": "tfds", "sha256": "a" * 64}, "sha256 checks the file of source"),  # ignored
     ],
 )
 def test_config_errors(hourly, overrides, problem):

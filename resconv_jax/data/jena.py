@@ -138,6 +138,11 @@ def _check_config(cfg: Any) -> dict[str, Any]:
     sha = str(c["sha256"]).lower()
     if sha and (len(sha) != 64 or any(ch not in "0123456789abcdef" for ch in sha)):
         raise JenaDataError(f"jena config: sha256 must be 64 hex digits, got {c['sha256']!r}")
+    if sha and c["source"] not in ("file", "download"):
+        raise JenaDataError(
+            f"jena config: sha256 checks the file of source='file' or 'download' only; "
+            f"source={c['source']!r} would not check it (leave sha256 empty)"
+        )
     c["sha256"] = sha
     c["seq_len"] = _int_field(cfg, "seq_len", d.seq_len, 1)
     for key in ("num_train", "num_val"):  # 0 windows: an empty mean, a val_loss of 0.0

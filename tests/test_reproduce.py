@@ -532,6 +532,24 @@ def test_the_depth_table_keeps_runs_that_differ_in_beta_ffn_apart():
     assert rates[1, 0.0, 1.0] < rates[1, 0.0, 0.0]
 
 
+def test_the_depth_table_counts_a_ratio_below_the_probes_precision_as_zero(tmp_path):
+    """A float32 probe's σ_min/σ_max below its epsilon is zero to its precision: the table
+    printed 1.6e-16 and 4.5e-65 as measurements and ranked them in its Spearman ρ."""
+    from resconv_jax.experiments import depth
+
+    cells = [(1, 0.0, 0.0), (2, 0.0, 0.0), (1, 1.0, 1.0), (2, 1.0, 1.0)]
+    lines = depth_history(cells)
+    tiny = {0: 1e-30, 1: 1e-20}  # σ_min of runs 0 and 1: ratios² 2.5e-61 and 2.5e-41
+    for line in lines:
+        if line["run"] in tiny:
+            line["layer0/z/sigma_min"] = tiny[line["run"]]
+    text = depth.write_depth_report(tmp_path, lines, 0.0, probe_dtype="float32")
+    rows = claims.read_csv(tmp_path / depth.RUNS_FILE)
+    assert [r["slowest_ratio_sq_init"] for r in rows[:2]] == [0.0, 0.0]
+    assert rows[2]["slowest_ratio_sq_init"] > 0
+    assert "0: at or below float32's epsilon², zero to the probe's precision" in text
+
+
 def test_claim_4_names_beta_ffn_in_its_note_when_it_is_swept(tmp_path):
     from resconv_jax.experiments import depth
     from resconv_jax.runtime.workdir import write_csv

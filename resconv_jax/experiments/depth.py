@@ -33,9 +33,10 @@ def _layer_ratio_sq(line: dict, layer: int) -> float:
     return (low / high) ** 2 if low is not None and high else math.nan
 
 
-def depth_rows(history: list[dict], floor: float = FIT_FLOOR) -> list[dict]:
+def depth_rows(history: list[dict], floor: float = FIT_FLOOR, eps: float = 0.0) -> list[dict]:
     """One row per run: settings (lr when the runs differ in it), rate, R², speed and the
-    slowest layer's ratio at init."""
+    slowest layer's ratio at init, 0 where it is at or below `eps`² (zero to the probe's
+    precision `eps`)."""
     rows = []
     swept_lr = lr_swept(history)
     for run in sorted({line["run"] for line in history}):
@@ -44,6 +45,7 @@ def depth_rows(history: list[dict], floor: float = FIT_FLOOR) -> list[dict]:
         layers = first.get("num_layers", 1)
         rate, r2 = fit_rate(*series(lines, run, "loss"), floor)
         ratios = [_layer_ratio_sq(first, i) for i in range(layers)]
+        ratios = [0.0 if r <= eps**2 else r for r in ratios]  # NaN stays NaN
         slowest = int(np.nanargmin(ratios)) if np.isfinite(ratios).any() else -1
         rows.append(
             {
@@ -84,9 +86,11 @@ def _cell_text(cell: tuple, split: bool) -> str:
     return f"{layers}/" + (f"lr={lr:g}," if lr else "") + beta
 
 
-def format_depth_table(rows: list[dict]) -> str:
+def format_depth_table(rows: list[dict], precision: str = "") -> str:
     """Per (L, lr, β_a, β_f) (lr, β_f shown when swept): the runs' rates and R²; then
-    ρ(speed, slowest layer's ratio)."""
+    ρ(speed, slowest layer's ratio), and what a 0 ratio means when a run has one (`precision`:
+    the probe's dtype)."""
+    precision = precision if any(r["slowest_ratio_sq_init"] == 0 for r in rows) else ""
     split, lr = _split_betas(rows), "lr" in rows[0]
     columns = (f"{'lr':>9} " if lr else "") + (
         f"{'beta_a':>6} {'beta_f':>6}" if split else f"{'beta':>5}"
@@ -110,6 +114,8 @@ def format_depth_table(rows: list[dict]) -> str:
         )
     rho = spearman([r["speed"] for r in rows], [r["slowest_ratio_sq_init"] for r in rows])
     lines.append(f"Spearman ρ(1 − rate, slowest layer's σ_min²/σ_max²(Z) at init) = {rho:.3f}")
+    if precision:
+        lines.append(f"0: at or below {precision}'s epsilon², zero to the probe's precision")
     return "\n".join(lines)
 
 
@@ -168,12 +174,12 @@ def write_depth_report(
     """depth_runs.csv and depth_sigma.png in `workdir`; the printed table. `probe_dtype`: the
     probe's, whose epsilon sets the figure's precision floor."""
     workdir = wd.path(workdir)
-    rows = depth_rows(history, floor)
+    eps = float(np.finfo(probe_dtype).eps)
+    rows = depth_rows(history, floor, eps)
     write_csv(workdir / RUNS_FILE, rows)
     if any("layer0/z/sigma_min" in line for line in history):
-        eps = float(np.finfo(probe_dtype).eps)
         plot_depth_sigma(history, rows, workdir / "depth_sigma.png", eps)
-    return format_depth_table(rows)
+    return format_depth_table(rows, probe_dtype)
 
 
 def multilayer(workdir, threshold: float = 0.99, small_branches: bool = False) -> Claim:

@@ -172,6 +172,16 @@ def test_per_run_step_sizes_are_not_an_lr_sweep():
     assert "lr" not in rows[0] and [row["runs"] for row in rows] == [2, 2, 2]
 
 
+def test_a_depth_tables_sigma_columns_say_they_are_layer_0s():
+    """σmin/‖Z‖F start and end are layer 0's: in a depth sweep they read as the stack's (every
+    β = 0 row of L = 1, 2, 4, 8 the same), so the table says whose they are."""
+    rows = [row | {"threshold": 1.0} for row in figures.beta_table(history())[0]]
+    note = "σmin/‖Z‖F: layer 0's; the depth table and depth_sigma.png give every layer"
+    assert note not in figures.format_beta_table(rows)
+    deep = [row | {"num_layers": 2} for row in rows]
+    assert note in figures.format_beta_table(deep)
+
+
 def test_a_summed_loss_table_says_train_and_validation_sums_are_not_comparable():
     """With optim.reduction=sum the two loss columns are sums over sets of different sizes
     (Jena: 256 train against 145 validation windows): the table says so under them."""

@@ -373,6 +373,8 @@ def format_beta_table(rows: list[dict], summed: bool = False) -> str:
         lines.append(
             "steps<thr '-': a run of the row starts at or below the threshold, or never reaches it"
         )
+    if depth and any(row["num_layers"] > 1 for row in rows):
+        lines.append("σmin/‖Z‖F: layer 0's; the depth table and depth_sigma.png give every layer")
     if summed and any(np.isfinite(row["final_val_loss"]) for row in rows):
         lines.append(
             "final loss and final val are sums over the training and the validation samples "

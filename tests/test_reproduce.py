@@ -182,7 +182,11 @@ def test_jena_descent_needs_a_significant_negative_tau(tmp_path):
     ):
         (tmp_path / name).mkdir()
         write_csv(tmp_path / name / "descent_table.csv", rows(steps_of))
-        assert descent.jena_descent(str(tmp_path / name)).verdict == verdict, name
+        row = descent.jena_descent(str(tmp_path / name))
+        assert row.verdict == verdict, name
+        # the first rows' p is two-sided, beside the second reading's one-sided "less p"
+        assert "two-sided p < 0.05" in row.threshold and ", two-sided p = " in row.value
+        assert "0.5·L_0: τ = " in row.note and "two-sided p = " in row.note
 
 
 def test_sst2_ordering(tmp_path):

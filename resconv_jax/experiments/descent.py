@@ -138,8 +138,8 @@ def format_ordering(rows: list[dict]) -> str:
         seeds = ", ".join(f"seed {s}: {t:+.2f}" for s, t in o["per_seed_tau"].items())
         lines.append(
             f"steps until L_t <= {f:g}·L_0: Kendall τ(β, steps) = {o['tau']:+.3f} "
-            f"(p = {o['p_value']:.2g}; {o['reached']} of {o['runs']} runs reached it in the "
-            f"window, the others count as slowest); {seeds}"
+            f"(two-sided p = {o['p_value']:.2g}; {o['reached']} of {o['runs']} runs reached it "
+            f"in the window, the others count as slowest); {seeds}"
         )
     key = f"steps_to_{HEADLINE:g}"
     for seed in sorted({r["seed"] for r in rows}):
@@ -198,7 +198,7 @@ def plot_descent(history: list[dict], rows: list[dict], path) -> None:
     ax_steps.set(
         xlabel="β (both residuals)",
         ylabel=f"steps until L_t ≤ {HEADLINE:g}·L_0",
-        title=f"Kendall τ(β, steps) = {o['tau']:+.2f} (p = {o['p_value']:.2g})",
+        title=f"Kendall τ(β, steps) = {o['tau']:+.2f} (two-sided p = {o['p_value']:.2g})",
     )
     ax_steps.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # up to 10 seeds
     fig.tight_layout()
@@ -231,7 +231,7 @@ def jena_descent(workdir, alpha: float = 0.05, replication: bool = False) -> Cla
     claim = Claim(
         "5a. Jena: larger β descends faster",
         f"Kendall τ(β, steps until L_t ≤ {HEADLINE:g}·L_0), all runs",
-        f"< 0 with p < {alpha:g}",
+        f"< 0 with two-sided p < {alpha:g}",
     )
     if replication:
         claim = _as_replication(
@@ -243,13 +243,13 @@ def jena_descent(workdir, alpha: float = 0.05, replication: bool = False) -> Cla
     if reason := not_comparable(rows):
         return dataclasses.replace(claim, note=reason)
     o = ordering(rows)
-    value = f"τ = {o['tau']:+.3f}, p = {o['p_value']:.2g} ({o['runs']} runs)"
+    value = f"τ = {o['tau']:+.3f}, two-sided p = {o['p_value']:.2g} ({o['runs']} runs)"
     seeds = ", ".join(f"seed {s}: {t:+.2f}" for s, t in o["per_seed_tau"].items())
     ok = o["tau"] < 0 and o["p_value"] < alpha
     if math.isnan(o["tau"]):
         return dataclasses.replace(claim, value=value, note="too few runs reached the level")
     others = "; ".join(
-        f"at {f:g}·L_0: τ = {other['tau']:+.3f}, p = {other['p_value']:.2g}"
+        f"at {f:g}·L_0: τ = {other['tau']:+.3f}, two-sided p = {other['p_value']:.2g}"
         for f in FRACTIONS
         if f != HEADLINE
         for other in [ordering(rows, f)]

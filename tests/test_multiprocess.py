@@ -256,6 +256,10 @@ def test_a_mesh_that_leaves_devices_out_is_refused_in_one_line_per_process(tmp_p
         ((None, 2, None), "--coordinator_address, --process_id missing"),
         (("127.0.0.1:1234", 2, 2), "--process_id=2 --num_processes=2: need 0 <= process_id <"),
         (("127.0.0.1", 2, 0), "--coordinator_address=127.0.0.1: expected HOST:PORT"),
+        # a segmentation fault and a hang in jax.distributed before
+        (("localhost:abc", 2, 0), "--coordinator_address=localhost:abc: expected HOST:PORT"),
+        ((":", 1, 0), "--coordinator_address=:: expected HOST:PORT"),
+        (("host:70000", 2, 0), "--coordinator_address=host:70000: expected HOST:PORT"),
     ],
 )
 def test_the_launch_flags_are_checked_before_anything_starts(flags, expected):

@@ -87,8 +87,11 @@ def resolve_launch(
                 f"--process_id={process_id} --num_processes={num_processes}: need "
                 "0 <= process_id < num_processes"
             )
-        if ":" not in coordinator_address:
-            raise ConfigError(f"--coordinator_address={coordinator_address}: expected HOST:PORT")
+        host, _, port = coordinator_address.rpartition(":")
+        if not (host.strip("[]") and port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+            raise ConfigError(
+                f"--coordinator_address={coordinator_address}: expected HOST:PORT (a port 1-65535)"
+            )
         return Launch(
             coordinator_address, num_processes, process_id, None, heartbeat_timeout_seconds
         )

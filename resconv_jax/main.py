@@ -16,6 +16,7 @@ Every failure is one line on stderr; exit statuses:
      same command on every process to resume from the last checkpoint
   130  interrupted by Ctrl-C: while starting, nothing was written; later, the last checkpoint
      and the metrics lines before it are kept: rerun the same command to resume
+  141  the output pipe closed (`| head`; one process): as 130
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ _frozen()
 
 EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_BUSY, EXIT_WRITE_FAILED, EXIT_LOST_PROCESS = 1, 2, 3, 4, 5
 EXIT_INTERRUPTED = signals.EXIT_INTERRUPTED  # Ctrl-C (SIGINT), as a shell reports it
+EXIT_PIPE_CLOSED = 141  # stdout's reader went away (`| head`): 128 + SIGPIPE, as a shell reports it
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to an ml_collections config file.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics); resumes.")
@@ -186,7 +188,9 @@ def main(argv: list[str]) -> None:
                 flush=True,
             )
         _exit_now(EXIT_INTERRUPTED)
-    except Exception:
+    except Exception as error:
+        if _watchdog is None and isinstance(error, BrokenPipeError):
+            _pipe_closed()
         if _watchdog is None:
             raise
         # Multi-process: a collective fails when another process dies; name it if so (exit 5).
@@ -195,6 +199,20 @@ def main(argv: list[str]) -> None:
             traceback.print_exc()
         _exit_now(1)  # JAX's exit-time shutdown would wait for the other processes forever
     _watchdog_finish(0)
+
+
+def _pipe_closed() -> None:
+    """One process whose stdout's reader went away (`| head`): one line on stderr, exit 141."""
+    with contextlib.suppress(OSError, ValueError):  # no more writes into the closed pipe
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    with contextlib.suppress(OSError):
+        print(
+            "error: the output pipe closed (| head?): stopped; the last checkpoint and the "
+            "metrics lines before it are kept: rerun the same command to resume",
+            file=sys.stderr,
+            flush=True,
+        )
+    _exit_now(EXIT_PIPE_CLOSED)
 
 
 def _exit_now(status: int) -> None:

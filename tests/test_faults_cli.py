@@ -139,6 +139,20 @@ def test_a_full_disk_is_status_4_and_the_rerun_completes(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_closed_output_pipe_is_status_141_without_a_traceback_and_resumable(tmp_path):
+    """`main ... | head -2`: a BrokenPipeError traceback and exit 1 ("a run diverged") before."""
+    flags = ["--config.train.num_steps=3000", "--config.train.async_checkpoints=False"]
+    process = main(f"--config={TINY}", f"--workdir={tmp_path}", *flags)
+    process.stdout.readline()
+    process.stdout.close()  # the reader goes away, as `head` does
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 141, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) <= 1, err
+    status, out, err = finish(main(f"--config={TINY}", f"--workdir={tmp_path}", *flags))
+    assert status == 0, err
+
+
+@pytest.mark.slow
 def test_an_unreadable_checkpoint_is_one_line_and_no_traceback(tmp_path):
     flags = ["--config.train.num_steps=30", "--config.train.async_checkpoints=False"]
     status, _, err = finish(main(f"--config={TINY}", f"--workdir={tmp_path}", *flags))

@@ -260,7 +260,7 @@ def _define_flags() -> None:
     )
     flags.register_validator(
         "jobs",
-        lambda value: value == "auto" or (value.isdigit() and int(value) >= 1),
+        lambda value: value == "auto" or (value.isascii() and value.isdigit() and int(value) >= 1),
         message="give a positive number of experiments at a time, or auto",
     )
     flags.DEFINE_string(

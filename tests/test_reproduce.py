@@ -319,6 +319,9 @@ def test_reproduce_refuses_a_bad_scale_or_jobs(tmp_path):
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith("error: bad flag: flag --jobs=two: give a positive number")
     assert len(result.stderr.strip().splitlines()) == 1
+    command[-1] = "--jobs=²"  # a digit to str.isdigit, not to int(): a traceback before
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not (tmp_path / "w").exists()
 
 

@@ -24,6 +24,11 @@ def _run_folder(folder, **changed):
     return folder
 
 
+def _config(folder, config: dict):
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
 @pytest.mark.parametrize(
     "make, status, expected",
     [
@@ -34,6 +39,9 @@ def _run_folder(folder, **changed):
         (lambda p: (p / "metrics.jsonl").write_text("garbage\n") and p, 2, "no valid metrics"),
         (lambda p: (p / "metrics.jsonl").write_text('{"step": 0}\n') and p, 2, "cannot report"),
         (lambda p: _run_folder(p / "r", loss="x"), 2, "line 1: loss='x' is not a number"),
+        # config.json sections of another type: AttributeError tracebacks before
+        (lambda p: _config(_run_folder(p / "r"), {"optim": None}), 2, "optim is not a section"),
+        (lambda p: _config(_run_folder(p / "r"), {"report": []}), 2, "report is not a section"),
     ],
 )
 def test_bad_input_is_one_line_status_2(tmp_path, capsys, make, status, expected):

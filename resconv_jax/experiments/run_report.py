@@ -16,7 +16,7 @@ import sys
 from etils import epath
 
 from resconv_jax.analysis.summary import fit_floor
-from resconv_jax.errors import WorkdirBusy, WorkdirWriteError
+from resconv_jax.errors import ConfigError, WorkdirBusy, WorkdirWriteError
 from resconv_jax.experiments import classification, conditioning, depth, descent, figures
 from resconv_jax.runtime import workdir as wd
 from resconv_jax.runtime.metrics import METRICS_FILE, read_metrics
@@ -70,6 +70,9 @@ def write_run_report(workdir) -> list[str]:
     """
     workdir = wd.path(workdir)
     config = read_saved_config(workdir) or {}
+    for name in ("optim", "report", "model", "probe"):
+        if not isinstance(config.get(name, {}), dict):
+            raise ConfigError(f"{workdir / CONFIG_FILE}: {name} is not a section; restore it")
     threshold = float(config.get("report", {}).get("loss_threshold", 0.0))
     floor = fit_floor(config.get("model", {}).get("dtype", "float32"))
     lock = WorkdirLock(workdir)

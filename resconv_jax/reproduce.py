@@ -157,6 +157,11 @@ def reproduce(
         if scale == "tiny":
             raise ValueError("--readme: --scale=tiny numbers mean nothing; use small or paper")
         report.splice_readme(readme, scale, None)  # the markers are there: checked before any run
+    if any((wd.path(root) / name).exists() for name in (wd.CONFIG_FILE, "metrics.jsonl")):
+        raise ValueError(
+            f"--workdir={root} holds a run of main (config.json, metrics.jsonl): give reproduce "
+            "a folder of its own; it writes one folder per experiment in it"
+        )
     wd.make_folder(root, f"--workdir={root}")
     lock = wd.WorkdirLock(root)
     lock.acquire()  # another reproduce on this folder: WorkdirBusy, naming it

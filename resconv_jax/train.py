@@ -137,8 +137,26 @@ def _check_resumable(config, workdir: epath.Path) -> dict:
     saved, where = _saved_config(workdir)
     if saved is not None:
         check_same_run(workdir, saved, config_json, where, _defaults_json())
+    else:
+        _refuse_other_files(workdir)
     refuse_fewer_steps(config, [workdir])
     return config_json
+
+
+def _refuse_other_files(workdir: epath.Path) -> None:
+    """ConfigError for a folder without a run of main's (no config.json, no checkpoint, no
+    depth group holding its own) that holds what a start would overwrite or mix with: a
+    metrics.jsonl, a reproduce folder."""
+    if (workdir / "REPORT.md").exists() or (workdir / "reproduce.json").exists():
+        raise ConfigError(
+            f"--workdir={workdir} is a reproduce folder (REPORT.md): give main a folder of its own"
+        )
+    groups = (p for p in workdir.iterdir() if p.is_dir()) if workdir.exists() else ()
+    if (workdir / METRICS_FILE).exists() and not any((g / CONFIG_FILE).exists() for g in groups):
+        raise ConfigError(
+            f"--workdir={workdir} holds a {METRICS_FILE} but neither {CONFIG_FILE} nor a "
+            "checkpoint, so no run this can resume; use a new --workdir, or remove the file"
+        )
 
 
 def run(config, workdir: str) -> list[dict]:

@@ -259,6 +259,23 @@ def test_a_runs_file_of_another_shape_is_not_a_finished_run(tmp_path):
     assert "runs.json is missing or does not list" in why_unfinished(tiny(), str(tmp_path))
 
 
+@pytest.mark.parametrize(
+    "leftover, expected",
+    [
+        ("metrics.jsonl", "holds a metrics.jsonl but neither config.json nor a checkpoint"),
+        ("REPORT.md", "is a reproduce folder"),
+    ],
+)
+def test_a_folder_of_other_files_is_not_trained_over(tmp_path, leftover, expected):
+    """A metrics.jsonl main did not write was overwritten by a fresh start, and main trained
+    inside a reproduce folder; both are refused in one line, the folder untouched."""
+    (tmp_path / leftover).write_text('{"step": 1, "loss": 2}\n')
+    with pytest.raises(ConfigError, match=expected):
+        train.run(tiny(), str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != ".lock") == [leftover]
+    assert (tmp_path / leftover).read_text() == '{"step": 1, "loss": 2}\n'
+
+
 def test_no_readable_checkpoint_says_the_run_restarts(tmp_path, reference, capsys):
     partial_run(tmp_path)
     for step in (10, 20, 30):

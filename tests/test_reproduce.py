@@ -474,6 +474,18 @@ def test_only_runs_and_reports_just_the_named_experiment(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["rank_collapse"]
 
 
+def test_reproduce_refuses_a_run_folder_of_main(tmp_path):
+    """It wrote its experiments and REPORT.md beside a run's files, after which run_report
+    refused that run as 'a reproduce folder'."""
+    from resconv_jax import reproduce
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(ValueError, match="holds a run of main"):
+        reproduce.reproduce(str(tmp_path), "tiny", only=("rank_collapse",))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "metrics.jsonl"]
+
+
 def test_a_damaged_times_file_is_said_and_rewritten_not_fatal(tmp_path, capsys):
     """reproduce.json only records each experiment's seconds: torn, or JSON of another shape, it
     used to stop reproduce (exit 2 with a bare JSON error, or a traceback)."""

@@ -47,8 +47,10 @@ def process_env(devices: int, base: dict | None = None) -> dict:
 
 
 def commands(num: int, port: int, main_args: list[str], heartbeat: int) -> list[list[str]]:
-    """The command line of every process: main's flags plus the multi-process ones."""
+    """The command line of every process: main's flags plus the multi-process ones; a
+    --heartbeat_timeout among main's flags is kept (absl would keep the last one given)."""
     address = f"127.0.0.1:{port}"
+    given = any(a.startswith("--heartbeat_timeout") for a in main_args)
     return [
         [
             sys.executable,
@@ -58,7 +60,7 @@ def commands(num: int, port: int, main_args: list[str], heartbeat: int) -> list[
             f"--coordinator_address={address}",
             f"--num_processes={num}",
             f"--process_id={index}",
-            f"--heartbeat_timeout={heartbeat}",
+            *([] if given else [f"--heartbeat_timeout={heartbeat}"]),
         ]
         for index in range(num)
     ]

@@ -273,6 +273,18 @@ def test_the_launch_flags_are_checked_before_anything_starts(flags, expected):
     assert multihost._is_loopback("127.0.0.1") and not multihost._is_loopback("10.1.2.3")
 
 
+def test_the_launcher_keeps_a_heartbeat_timeout_given_for_main():
+    """Its own --heartbeat_timeout came after main's flags, so a user's was silently replaced
+    (absl keeps the last)."""
+    given = local.commands(2, 1234, ["--config=c.py", "--heartbeat_timeout=50"], heartbeat=10)
+    for command in given:
+        assert [a for a in command if a.startswith("--heartbeat_timeout")] == [
+            "--heartbeat_timeout=50"
+        ]
+    default = local.commands(1, 1234, ["--config=c.py"], heartbeat=10)[0]
+    assert "--heartbeat_timeout=10" in default
+
+
 def test_incomplete_multi_process_flags_are_one_line(tmp_path):
     command = [sys.executable, "-m", "resconv_jax.main", f"--config={TINY}"]
     result = subprocess.run(

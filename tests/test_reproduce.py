@@ -447,6 +447,24 @@ def test_the_readme_block_states_each_experiments_sizes(tmp_path):
     assert "stale" not in text
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "the block starts at `{s}` and ends at `{e}`.\n{s}\nstale\n{e}\n",  # quoted in prose
+        "{s}\nstale\n{e}\n{s}\nstale too\n{e}\n",  # two blocks: the second stayed stale
+    ],
+    ids=["markers quoted in prose", "two blocks"],
+)
+def test_the_readme_markers_must_be_one_pair_of_lines(tmp_path, text):
+    """A marker quoted in prose made the splice delete the text from there to the real block."""
+    readme = tmp_path / "README.md"
+    readme.write_text(text.format(s=report.README_START, e=report.README_END))
+    before = readme.read_text()
+    with pytest.raises(ValueError, match="one line each"):
+        report.splice_readme(str(readme), "small", [])
+    assert readme.read_text() == before
+
+
 def test_only_names_known_experiments_and_keeps_the_readme_whole(tmp_path):
     from resconv_jax import reproduce
 

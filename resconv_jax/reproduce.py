@@ -237,10 +237,13 @@ def _reproduce_locked(
         flush=True,
     )
     print(f"wrote {wd.path(root) / report.REPORT_FILE}", flush=True)
-    if readme:
+    not_run = [o.experiment.name for o in outcomes if o.status == "not run"]
+    if readme and not_run:  # its rows would read "not run" over the measured ones
+        print(f"not written into {readme}: {', '.join(not_run)} did not run", flush=True)
+    elif readme:
         report.splice_readme(readme, scale, table)
         print(f"wrote the claims table into {readme}", flush=True)
-    return 0 if all(o.status != "not run" for o in outcomes) else 1
+    return 1 if not_run else 0
 
 
 def _define_flags() -> None:

@@ -465,6 +465,25 @@ def test_the_readme_markers_must_be_one_pair_of_lines(tmp_path, text):
     assert readme.read_text() == before
 
 
+def test_a_readme_table_is_not_replaced_by_one_with_experiments_not_run(tmp_path, monkeypatch):
+    """--readme wrote the table even when experiments did not run (exit 1), so 'not run' rows
+    replaced the README's measured ones."""
+    from resconv_jax import reproduce
+    from resconv_jax.reproducing.outcomes import Outcome
+
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{report.README_START}\nmeasured\n{report.README_END}\n")
+    before = readme.read_text()
+
+    def not_run(experiment, scale, root, times):
+        return Outcome(experiment, os.path.join(root, experiment.name), "not run", None, [],
+                       "a test's reason")  # fmt: skip
+
+    monkeypatch.setattr(reproduce, "run_experiment", not_run)
+    assert reproduce.reproduce(str(tmp_path / "w"), "small", str(readme)) == 1
+    assert readme.read_text() == before
+
+
 def test_only_names_known_experiments_and_keeps_the_readme_whole(tmp_path):
     from resconv_jax import reproduce
 

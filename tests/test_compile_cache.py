@@ -33,3 +33,20 @@ def test_off_turns_it_off(clean_env, monkeypatch):
     monkeypatch.setenv(compile_cache.ENV, "off")
     assert compile_cache.folder() is None
     assert compile_cache.folder(str(clean_env / "flag")) == str(clean_env / "flag")
+
+
+def test_a_cache_path_that_is_not_a_folder_is_one_warning_and_no_cache(
+    clean_env, monkeypatch, capsys
+):
+    """JAX printed a 2-line UserWarning and went on without the cache; now one line says so."""
+    settings = {}
+    monkeypatch.setattr(compile_cache.jax.config, "update", settings.__setitem__)
+    (clean_env / "file").write_text("")
+    assert compile_cache.enable(str(clean_env / "file")) is None
+    assert settings == {"jax_enable_compilation_cache": False}
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (
+        len(err) == 1
+        and err[0].startswith("warning: the compilation cache ")
+        and "without" in err[0]
+    )

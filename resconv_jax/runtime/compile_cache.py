@@ -10,6 +10,7 @@ recently used entries beyond it).
 from __future__ import annotations
 
 import os
+import sys
 
 import jax
 
@@ -41,6 +42,17 @@ def enable(setting: str = "") -> str | None:
         return None
     if not setting and not os.environ.get(ENV) and os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         return where
+    try:
+        os.makedirs(where, exist_ok=True)
+    except OSError as error:  # the cache only saves time: say so and compile without it
+        print(
+            f"warning: the compilation cache {where} is not a folder that can be made "
+            f"({error.strerror or type(error).__name__}); compiling without the cache",
+            file=sys.stderr,
+            flush=True,
+        )
+        jax.config.update("jax_enable_compilation_cache", False)
+        return None
     jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", where)
     jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)

@@ -286,7 +286,8 @@ def _main(argv: list[str]) -> None:
         print("float64 in the config: jax_enable_x64 is on", flush=True)
     _stopped_before_start()
     try:
-        summaries = experiments.run_task(config, _WORKDIR.value, reuse_finished=True)
+        workdir = os.path.expanduser(_WORKDIR.value)  # --workdir=~/x: the shell leaves the ~
+        summaries = experiments.run_task(config, workdir, reuse_finished=True)
     except ConfigError as error:
         exit_with(str(error), EXIT_BAD_INPUT)
     except ValueError as error:  # data errors: one line naming the file and the problem

@@ -294,6 +294,7 @@ def main(argv: list[str]) -> None:
     logging.set_verbosity(logging.WARNING)
     compile_cache.enable(flags.FLAGS.compilation_cache)
     workdir, scale, readme = flags.FLAGS.workdir, flags.FLAGS.scale, flags.FLAGS.readme
+    workdir = os.path.expanduser(workdir)  # --workdir=~/x: the shell leaves the ~
     try:
         check_workdir(workdir)
         status = reproduce(

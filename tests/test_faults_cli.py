@@ -153,6 +153,20 @@ def test_a_closed_output_pipe_is_status_141_without_a_traceback_and_resumable(tm
 
 
 @pytest.mark.slow
+def test_a_workdir_given_as_tilde_is_under_home(tmp_path):
+    """`--workdir=~/x` (the shell does not expand a ~ after '='): a folder named '~' was made."""
+    command = [sys.executable, "-m", "resconv_jax.main", f"--config={TINY}", "--workdir=~/run",
+               "--config.train.num_steps=10"]  # fmt: skip
+    env = os.environ | {"HOME": str(tmp_path / "home"), "PYTHONPATH": os.path.abspath(ROOT)}
+    (tmp_path / "home").mkdir()
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "home" / "run" / "metrics.jsonl").exists()
+    assert not (tmp_path / "~").exists()
+
+
+@pytest.mark.slow
 def test_an_unreadable_checkpoint_is_one_line_and_no_traceback(tmp_path):
     flags = ["--config.train.num_steps=30", "--config.train.async_checkpoints=False"]
     status, _, err = finish(main(f"--config={TINY}", f"--workdir={tmp_path}", *flags))

@@ -10,6 +10,7 @@ partly finished) run.
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 
@@ -135,7 +136,7 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print(f"error: {USAGE}", file=sys.stderr)
         return 2
-    workdir = wd.path(argv[1])
+    workdir = wd.path(os.path.expanduser(argv[1]))
     problem = _not_a_run(workdir)
     try:
         if problem is None:

@@ -440,32 +440,19 @@ def test_divergence_names_the_last_finite_checkpoint_and_the_most_restrictive_ru
     assert last_good_checkpoint(history, [0, 10, 20], np.array([1, 2])) == 0
     assert last_good_checkpoint(history, [0, 10, 20], np.array([1])) == 10
     losses = np.array([[1.0, np.nan, 2.0], [1.0, np.nan, np.inf]])
-    message = diverged_message(
-        losses,
-        20,
-        runs,
-        history,
-        [0, 10, 20],
-        "/ckpt",
-        lambda: (2.0 / np.array([1.0, 100.0, 40.0]), "t"),  # 2/λ_max(K) per run
-        sweeps_lr=False,
-    )
+
+    def message_for(runs, lr_factor=None):
+        stable = lambda: (2.0 / np.array([1.0, 100.0, 40.0]), "t")  # noqa: E731 - 2/λ_max(K)
+        return diverged_message(
+            losses, 20, runs, history, [0, 10, 20], "/ckpt", stable, False, lr_factor
+        )
+
+    message = message_for(runs)
     assert "2 of 3 runs diverged (first: run 1" in message and "step 0 in /ckpt" in message
     assert "run 1, has 2/lambda_max(K) = 0.02" in message and "--config.optim.lr=0.01" in message
     # optim.lr_rule=lambda_max ignores optim.lr (it said to set it): η = lr_factor/λ_max(K) at
     # initialization, here 0.04 from lr_factor = 2; half of run 1's 2/λ_max(K) = 0.02 needs 0.5.
-    runs = [RunSpec(r, 0, 0.04, b, b) for r, b in enumerate((0.0, 0.5, 1.0))]
-    message = diverged_message(
-        losses,
-        20,
-        runs,
-        history,
-        [0, 10, 20],
-        "/ckpt",
-        lambda: (2.0 / np.array([1.0, 100.0, 40.0]), "t"),
-        sweeps_lr=False,
-        lr_factor=2.0,
-    )
+    message = message_for([RunSpec(r, 0, 0.04, b, b) for r, b in enumerate((0.0, 0.5, 1.0))], 2.0)
     assert "--config.optim.lr=" not in message and "--config.optim.lr_factor=0.5" in message
 
 

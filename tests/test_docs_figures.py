@@ -41,7 +41,7 @@ def test_the_descent_figures_numbers_are_the_codes(name):
 
 def test_the_readme_quotes_the_figures_numbers():
     stated = RECORD["jena_descent_by_beta.png"]["stated"]
-    quoted = re.search(r"descent figure: Kendall τ = ([-+.\d]+), p = ([.\d]+)", README)
+    quoted = re.search(r"descent figure: Kendall τ = ([-+.\d]+), two-sided p = ([.\d]+)", README)
     assert quoted, "the README's Jena section quotes the descent figure's τ and p"
     assert float(quoted.group(1)) == pytest.approx(stated["tau"], abs=5e-3)
     assert float(quoted.group(2)) == pytest.approx(stated["p_value"], abs=5e-4)

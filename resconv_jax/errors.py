@@ -67,3 +67,13 @@ def exit_with(message: str, status: int) -> None:
     """The command line's end for bad input: `error: MESSAGE` on stderr, exit `status`."""
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(status)
+
+
+def exit_on_help(argv: list[str]) -> None:
+    """absl answers --help with the usage and exit status 1, which a command here documents
+    as a failure: print the usage for -h, --help, --helpshort or --helpfull and exit 0."""
+    asked = [arg for arg in argv[1:] if arg in ("-h", "-?", "--help", "--helpshort", "--helpfull")]
+    if asked:
+        from absl import app  # only here: this module imports nothing else
+
+        app.usage(shorthelp=asked[0] != "--helpfull", writeto_stdout=True, exitcode=0)

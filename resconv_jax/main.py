@@ -17,6 +17,7 @@ Every failure is one line on stderr; exit statuses:
   130  interrupted by Ctrl-C: while starting, nothing was written; later, the last checkpoint
      and the metrics lines before it are kept: rerun the same command to resume
   141  the output pipe closed (`| head`; one process): as 130
+--help prints the flags and exits 0.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from resconv_jax.errors import (  # noqa: E402
     TrainingDiverged,
     WorkdirBusy,
     WorkdirWriteError,
+    exit_on_help,
     exit_with,
     one_line,
 )
@@ -135,6 +137,7 @@ def _flag_error(error: BaseException) -> str:
 def parse_flags(argv: list[str]) -> list[str]:
     """absl flag parsing with one-line errors: an unknown config key, a value of the wrong type,
     a config file that is missing, is not Python, or fails in get_config()."""
+    exit_on_help(argv)
     path = _config_path(argv)
     if path is not None:
         _check_config_file(path)

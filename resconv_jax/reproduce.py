@@ -51,6 +51,7 @@ from resconv_jax.errors import (  # noqa: E402
     Preempted,
     WorkdirBusy,
     WorkdirWriteError,
+    exit_on_help,
     exit_with,
 )
 from resconv_jax.experiments import claims  # noqa: E402
@@ -281,6 +282,7 @@ def _define_flags() -> None:
 
 def parse_flags(argv: list[str]) -> list[str]:
     """absl's flag parsing, with a bad or missing flag as one line and exit status 2."""
+    exit_on_help(argv)
     try:
         return flags.FLAGS(argv)
     except flags.Error as error:

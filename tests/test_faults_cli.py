@@ -166,6 +166,15 @@ def test_a_workdir_given_as_tilde_is_under_home(tmp_path):
     assert not (tmp_path / "~").exists()
 
 
+@pytest.mark.parametrize("module", ["resconv_jax.main", "resconv_jax.reproduce"])
+def test_help_is_status_0(module):
+    """absl's --help exits 1, which main documents as 'a run diverged' (run_report's is 0)."""
+    result = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "--workdir" in result.stdout
+
+
 @pytest.mark.slow
 def test_an_unreadable_checkpoint_is_one_line_and_no_traceback(tmp_path):
     flags = ["--config.train.num_steps=30", "--config.train.async_checkpoints=False"]

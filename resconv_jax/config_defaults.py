@@ -6,7 +6,9 @@ unknown key on the command line (`--config.optim.lrr=...`) is an error.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import json
 
 import ml_collections
 
@@ -132,6 +134,13 @@ RENAMED = {
     "model.weights": "model.gpt2.weights",
     "model.gpt2_shape": "model.gpt2.shape",
 }
+
+
+@functools.cache
+def base_config_json() -> dict:
+    """`base_config()` as JSON: what a field that a saved config lacks took when it was saved
+    (computed once; read only)."""
+    return json.loads(base_config().to_json_best_effort())
 
 
 def theory_regime_config(dim: int) -> ml_collections.ConfigDict:

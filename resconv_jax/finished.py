@@ -19,10 +19,10 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from resconv_jax.analysis.summary import fit_floor, run_summaries
-from resconv_jax.config_defaults import base_config
+from resconv_jax.config_defaults import base_config_json
 from resconv_jax.errors import ConfigError
 from resconv_jax.runtime import workdir as wd
-from resconv_jax.runtime.checkpoint import host_state_digest, quiet_failed_io
+from resconv_jax.runtime.checkpoint import host_state_digest, is_saved_meta, quiet_failed_io
 from resconv_jax.runtime.metrics import METRICS_FILE, lines_digest, read_metrics_lines, valid_prefix
 from resconv_jax.runtime.workdir import CONFIG_FILE, json_safe, read_saved_config, run_changes
 from resconv_jax.sweep import expand_runs, group_config, group_folder, group_runs
@@ -106,8 +106,7 @@ def why_config_differs(config, folder) -> str | None:
     if saved is None:
         return f"no {CONFIG_FILE}"
     current = json.loads(config.to_json_best_effort())
-    defaults = json.loads(base_config().to_json_best_effort())
-    if changed := run_changes(saved, current, defaults):
+    if changed := run_changes(saved, current, base_config_json()):
         fields = ", ".join(name for name, _, _ in changed[:3])
         more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
         return f"{CONFIG_FILE} holds another config ({fields}{more})"
@@ -163,8 +162,7 @@ def _why_checkpoint_disagrees(folder, prefix, total: int) -> str | None:
     before = [text for text, record in prefix if record["step"] < steps[-1]]
     if saved is not None and saved != lines_digest(before):
         return f"{METRICS_FILE} was changed after the checkpoint of step {steps[-1]}"
-    digest = meta.get("digest") if isinstance(meta, dict) else None
-    if not isinstance(digest, dict) or meta.get("step") != steps[-1]:
+    if not is_saved_meta(meta, steps[-1]):
         return f"the checkpoint of step {steps[-1]} has damaged metadata"
     state_dir = directory / str(steps[-1]) / "state"
     if wd.is_local(state_dir):  # Orbax finds no metadata under a relative path
@@ -185,7 +183,7 @@ def _why_checkpoint_disagrees(folder, prefix, total: int) -> str | None:
         return f"the checkpoint of step {steps[-1]} cannot be read"
     finally:
         logging.set_verbosity(verbosity)
-    if hashes != sorted(digest.values()):
+    if hashes != sorted(meta["digest"].values()):
         return f"the checkpoint of step {steps[-1]} does not match its content hashes"
     return None
 

@@ -60,9 +60,10 @@ from resconv_jax.reproducing import report  # noqa: E402
 from resconv_jax.reproducing.outcomes import Outcome, finished_before, run_experiment  # noqa: E402
 from resconv_jax.runtime import compile_cache, signals  # noqa: E402
 from resconv_jax.runtime import workdir as wd  # noqa: E402
+from resconv_jax.runtime.metrics import METRICS_FILE  # noqa: E402
 from resconv_jax.validation import check_workdir  # noqa: E402
 
-TIMES_FILE = "reproduce.json"
+TIMES_FILE = wd.TIMES_FILE
 
 
 def _is_time_entry(entry) -> bool:
@@ -158,7 +159,7 @@ def reproduce(
         if scale == "tiny":
             raise ValueError("--readme: --scale=tiny numbers mean nothing; use small or paper")
         report.splice_readme(readme, scale, None)  # the markers are there: checked before any run
-    if any((wd.path(root) / name).exists() for name in (wd.CONFIG_FILE, "metrics.jsonl")):
+    if any((wd.path(root) / name).exists() for name in (wd.CONFIG_FILE, METRICS_FILE)):
         raise ValueError(
             f"--workdir={root} holds a run of main (config.json, metrics.jsonl): give reproduce "
             "a folder of its own; it writes one folder per experiment in it"

@@ -27,7 +27,7 @@ from resconv_jax.analysis.certificate import (
     with_kernel_lrs,
 )
 from resconv_jax.analysis.summary import fit_floor, run_summaries
-from resconv_jax.config_defaults import base_config
+from resconv_jax.config_defaults import base_config_json
 from resconv_jax.data import data_module, load_dataset
 from resconv_jax.errors import ConfigError, Preempted, TrainingDiverged
 from resconv_jax.finished import RUNS_FILE, SUMMARY_FILE, checkpoint_steps, refuse_fewer_steps
@@ -66,12 +66,6 @@ from resconv_jax.sweep import expand_runs, group_config, group_folder, group_run
 from resconv_jax.validation import check_workdir, validate_config
 
 __all__ = ["SUMMARY_FILE", "Preempted", "TrainingDiverged", "run"]
-
-
-@functools.cache
-def _defaults_json() -> dict:
-    """The base config as JSON: what a field that a saved config lacks took when it was saved."""
-    return json.loads(base_config().to_json_best_effort())
 
 
 def _num_outputs(model: Model, inputs, params) -> int:
@@ -136,7 +130,7 @@ def _check_resumable(config, workdir: epath.Path) -> dict:
     config_json = json.loads(config.to_json_best_effort())
     saved, where = _saved_config(workdir)
     if saved is not None:
-        check_same_run(workdir, saved, config_json, where, _defaults_json())
+        check_same_run(workdir, saved, config_json, where, base_config_json())
     else:
         _refuse_other_files(workdir)
     refuse_fewer_steps(config, [workdir])
@@ -147,7 +141,7 @@ def _refuse_other_files(workdir: epath.Path) -> None:
     """ConfigError for a folder without a run of main's (no config.json, no checkpoint, no
     depth group holding its own) that holds what a start would overwrite or mix with: a
     metrics.jsonl, a reproduce folder."""
-    if (workdir / "REPORT.md").exists() or (workdir / "reproduce.json").exists():
+    if wd.is_reproduce_folder(workdir):
         raise ConfigError(
             f"--workdir={workdir} is a reproduce folder (REPORT.md): give main a folder of its own"
         )

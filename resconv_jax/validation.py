@@ -67,15 +67,21 @@ def _get(config, dotted: str):
     return value
 
 
-def _check_finite(node, prefix: str = "config") -> None:
-    """Every float of the config, alone or in a tuple, must be finite (no inf, no nan)."""
+def _fields(node, prefix: str = "config"):
+    """(dotted name, key, value) of every field of the config that is not a section."""
     for key, value in node.items():
-        field = f"{prefix}.{key}"
         if hasattr(value, "items"):
-            _check_finite(value, field)
-        elif isinstance(value, float) and not math.isfinite(value):
+            yield from _fields(value, f"{prefix}.{key}")
+        else:
+            yield f"{prefix}.{key}", key, value
+
+
+def _check_finite(config) -> None:
+    """Every float of the config, alone or in a tuple, must be finite (no inf, no nan)."""
+    for field, _, value in _fields(config):
+        if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{field}={value}: must be a finite number")
-        elif isinstance(value, tuple | list) and any(
+        if isinstance(value, tuple | list) and any(
             isinstance(v, float) and not math.isfinite(v) for v in value
         ):
             raise ConfigError(f"{field}={tuple(value)}: must be finite")
@@ -194,18 +200,16 @@ def _is_seed(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < SEED_LIMIT
 
 
-def _check_seeds(node, prefix: str = "config") -> None:
+def _check_seeds(config) -> None:
     """Every field named seed or *_seed, alone or a tuple (sweep.seed), must hold integers in
     [0, 2**32): what jax.random.key and NumPy's generators take alike."""
-    for key, value in node.items():
-        field = f"{prefix}.{key}"
-        if hasattr(value, "items"):
-            _check_seeds(value, field)
-        elif key == "seed" or key.endswith("_seed"):
-            values = value if isinstance(value, tuple | list) else (value,)
-            if not all(map(_is_seed, values)):
-                shown = tuple(value) if isinstance(value, tuple | list) else value
-                raise ConfigError(f"{field}={shown!r}: a seed is an integer in [0, 2**32)")
+    for field, key, value in _fields(config):
+        if key != "seed" and not key.endswith("_seed"):
+            continue
+        values = tuple(value) if isinstance(value, tuple | list) else (value,)
+        if not all(map(_is_seed, values)):
+            shown = values if isinstance(value, tuple | list) else value
+            raise ConfigError(f"{field}={shown!r}: a seed is an integer in [0, 2**32)")
 
 
 def _check_lr(field: str, value) -> None:

@@ -151,7 +151,8 @@ def test_the_certificate_row_gives_its_margin_and_the_largest_eta_lambda_max(tmp
         (20, 1e-30, 2 / 5000, 0.7, 0.6),  # below the fit floor: not a check of the claim
     ]
     keys = ("step", "loss", "ntk/stable_lr", "contraction", "ntk/bound")
-    lines = [dict(zip(keys, check, strict=True)) | {"run": 0, "lr": 1e-3} for check in checks]
+    extra = {"run": 0, "lr": 1e-3, "ntk/holds": 1.0}  # as every check line of a run has
+    lines = [dict(zip(keys, check, strict=True)) | extra for check in checks]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     row = convergence.certificate(str(folder))
     assert row.verdict == claims.HOLDS, row

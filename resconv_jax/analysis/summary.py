@@ -37,6 +37,15 @@ def series(history: list[dict], run: int, key: str) -> tuple[np.ndarray, np.ndar
     return np.array([line["step"] for line in lines]), values
 
 
+def certificate_checks(lines: list[dict], floor: float) -> list[dict]:
+    """The tangent-kernel checks of one run's metrics lines (in step order) that count: those
+    whose loss is above `floor` × the initial loss (below it, L_{t+1}/L_t is rounding)."""
+    losses = [line["loss"] for line in lines if "loss" in line]
+    if not losses:
+        return []
+    return [line for line in lines if "ntk/holds" in line and line["loss"] > floor * losses[0]]
+
+
 def lr_swept(lines: list[dict]) -> bool:
     """Whether `lines` (metrics lines, or one row per run) hold runs that differ only in lr: a
     sweep.lr axis, to be reported per lr. Per-run step sizes (optim.lr_rule="lambda_max") give
@@ -70,9 +79,7 @@ def run_summaries(
         if sigma_min.size:
             ratio = (sigma_min / sigma_max) ** 2
             summary |= {"z_sigma_ratio_sq_start": ratio[0], "z_sigma_ratio_sq_end": ratio[-1]}
-        # The certificate compares L_{t+1}/L_t with its bound: meaningless below the fit floor.
-        above_floor = [line for line in lines if line["loss"] > floor * losses[0]]
-        holds = series(above_floor, run, "ntk/holds")[1]
+        holds = series(certificate_checks(lines, floor), run, "ntk/holds")[1]
         if holds.size:
             summary |= {
                 "certificate_hold_fraction": float(holds.mean()),

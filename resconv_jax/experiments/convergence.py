@@ -12,7 +12,7 @@ import dataclasses
 
 import numpy as np
 
-from resconv_jax.analysis.summary import fit_floor, series
+from resconv_jax.analysis.summary import certificate_checks, fit_floor, series
 from resconv_jax.experiments import claims
 from resconv_jax.experiments.claims import Claim
 from resconv_jax.experiments.record import ClaimCheck, Experiment, scale_variants
@@ -109,14 +109,9 @@ def _margins(history: list[dict], runs: list[dict], dtype: str) -> str:
     margins, products = [], []
     for run in runs:
         lines = [line for line in history if line["run"] == run.get("run", 0)]
-        losses = series(lines, run.get("run", 0), "loss")[1]
-        if not losses.size:
-            continue
-        floor = fit_floor(dtype) * losses[0]
-        for line in lines:
-            if "ntk/bound" in line and "contraction" in line and line["loss"] > floor:
-                margins.append(1 - line["contraction"] / line["ntk/bound"])
-                products.append(2 * line["lr"] / line["ntk/stable_lr"])
+        for line in certificate_checks(lines, fit_floor(dtype)):
+            margins.append(1 - line["contraction"] / line["ntk/bound"])
+            products.append(2 * line["lr"] / line["ntk/stable_lr"])
     if not margins:
         return ""
     return (

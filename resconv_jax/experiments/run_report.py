@@ -96,7 +96,7 @@ def _not_a_run(workdir: epath.Path) -> str | None:
         return f"{workdir}: no such folder"
     if not workdir.is_dir():
         return f"{workdir}: is a file, not a run's folder"
-    if (workdir / "REPORT.md").exists() or (workdir / "reproduce.json").exists():
+    if wd.is_reproduce_folder(workdir):
         names = sorted(p.name for p in workdir.iterdir() if (p / CONFIG_FILE).exists())
         return (
             f"{workdir}: is a reproduce folder (its REPORT.md is written by reproduce); "

@@ -26,7 +26,7 @@ from resconv_jax.reproducing.outcomes import Outcome
 from resconv_jax.runtime import host
 from resconv_jax.runtime import workdir as wd
 
-REPORT_FILE = "REPORT.md"
+REPORT_FILE = wd.REPORT_FILE
 
 
 def experiment_sizes(experiment: Experiment, scale: str) -> str:

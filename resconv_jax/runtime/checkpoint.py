@@ -153,6 +153,14 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0][:160] if text else type(error).__name__
 
 
+def is_saved_meta(meta, step: int) -> bool:
+    """Whether a checkpoint's metadata is what `Checkpointer.save` writes for `step`: a dict with
+    that step and a dict of content hashes."""
+    return (
+        isinstance(meta, dict) and meta.get("step") == step and isinstance(meta.get("digest"), dict)
+    )
+
+
 class Checkpointer:
     """Saves the train state (pytree with sharded leaves) under `workdir/checkpoints/<step>`.
 
@@ -268,9 +276,9 @@ class Checkpointer:
             reason = _first_line(error) if isinstance(error, OSError) else type(error).__name__
             return f"is unreadable ({reason})", None, {}
         meta = restored.meta if isinstance(restored.meta, dict) else {}
-        saved = meta.get("digest")
-        if not isinstance(saved, dict) or meta.get("step") != step:
+        if not is_saved_meta(meta, step):
             return "has damaged metadata (no content hashes or another step)", None, {}
+        saved = meta["digest"]
         if (actual := state_digest(restored.state)) != saved:
             bad = sorted(k for k in saved.keys() | actual.keys() if saved.get(k) != actual.get(k))
             return f"does not match its content hashes (at {', '.join(bad[:3])})", None, {}

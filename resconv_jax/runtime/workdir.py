@@ -41,6 +41,9 @@ from resconv_jax.errors import ConfigError, WorkdirBusy, WorkdirWriteError
 
 CONFIG_FILE = "config.json"
 LOCK_FILE = ".lock"
+# What `reproduce` writes at the top of its folder: its report and its experiments' times.
+REPORT_FILE, TIMES_FILE = "REPORT.md", "reproduce.json"
+REPRODUCE_FILES = (REPORT_FILE, TIMES_FILE)
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
@@ -48,6 +51,11 @@ _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 def path(workdir: str | os.PathLike) -> epath.Path:
     """`workdir` (or a file in it) as an `epath.Path`: a local path, `gs://...`, `s3://...`."""
     return epath.Path(workdir)
+
+
+def is_reproduce_folder(folder: str | os.PathLike) -> bool:
+    """Whether `folder` is one that `reproduce` wrote (its REPORT.md or recorded times)."""
+    return any((path(folder) / name).exists() for name in REPRODUCE_FILES)
 
 
 def is_local(target: str | os.PathLike) -> bool:

@@ -290,6 +290,20 @@ def test_tfds_builder_gives_the_same_arrays(tmp_path: Path, hourly):
         load_jena(file_cfg(other, source="tfds", tfds_data_dir=str(data_dir)))
 
 
+def test_tfds_reads_a_csv_put_in_its_manual_folder(tmp_path: Path, hourly):
+    """The builder's MANUAL_DOWNLOAD_INSTRUCTIONS: a CSV in <tfds_data_dir>/downloads/manual/ is
+    the source when no path is given (it used to be prepared, then refused as not the sample)."""
+    path, _ = hourly
+    data_dir = tmp_path / "tfds"
+    manual = data_dir / "downloads" / "manual"
+    manual.mkdir(parents=True)
+    (manual / "jena_climate_2009_2016.csv").write_bytes(path.read_bytes())
+    via_tfds = load_jena(file_cfg("", source="tfds", tfds_data_dir=str(data_dir), stride=3))
+    via_csv = load_jena(file_cfg(path, stride=3))
+    assert np.array_equal(via_tfds.x_train, via_csv.x_train)
+    assert "jena_climate_2009_2016.csv" in via_tfds.source
+
+
 def test_download_fails_fast_offline(tmp_path: Path, monkeypatch):
     monkeypatch.setattr(jena, "JENA_URL", "http://127.0.0.1:9/jena_climate_2009_2016.csv.zip")
     cfg = jena.default_config()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,15 +40,21 @@ def _source(csv_path: str | None) -> tuple[bytes, str]:
     return read_csv_bytes(csv_path)
 
 
-def _manual_csv(dl_manager: Any) -> str | None:
-    """The one Jena file in manual_dir, if the directory exists and holds one."""
-    try:
-        manual_dir = dl_manager.manual_dir
-    except AssertionError:  # tfds asserts that manual_dir exists and is not empty
+def manual_dir(data_dir: str | os.PathLike) -> Path:
+    """tfds's manual_dir for data_dir: where a user puts the full CSV for `prepare` to find."""
+    return Path(data_dir) / "downloads" / "manual"
+
+
+def _resolve(data_dir: str | os.PathLike, csv_path: str | os.PathLike | None) -> str | None:
+    """csv_path, else the one Jena file in manual_dir(data_dir), else None (the bundled sample)."""
+    if csv_path is not None:
+        return os.fspath(csv_path)
+    folder = manual_dir(data_dir)
+    if not folder.is_dir():
         return None
-    found = sorted(str(p) for p in manual_dir.iterdir() if p.name.endswith(_MANUAL_SUFFIXES))
+    found = sorted(str(p) for p in folder.iterdir() if p.name.endswith(_MANUAL_SUFFIXES))
     if len(found) > 1:
-        raise JenaDataError(f"{manual_dir}: more than one CSV/zip file: {found}")
+        raise JenaDataError(f"{folder}: more than one CSV/zip file: {found}")
     return found[0] if found else None
 
 
@@ -88,7 +95,7 @@ class JenaClimate(tfds.core.GeneratorBasedBuilder):
         )
 
     def _split_generators(self, dl_manager: Any) -> dict[str, Any]:
-        content, name = _source(self._csv_path or _manual_csv(dl_manager))
+        content, name = _source(self._csv_path)
         table = parse_jena_csv(content, name)
         self.info.metadata.update(
             columns=list(table.columns),
@@ -115,7 +122,9 @@ def prepare(data_dir: str | os.PathLike, csv_path: str | os.PathLike | None = No
     A no-op if data_dir already holds it (whatever CSV it was prepared from).
     """
     builder = JenaClimate(
-        data_dir=os.fspath(data_dir), csv_path=csv_path, file_format="array_record"
+        data_dir=os.fspath(data_dir),
+        csv_path=_resolve(data_dir, csv_path),
+        file_format="array_record",
     )
     builder.download_and_prepare(
         download_config=tfds.download.DownloadConfig(
@@ -146,7 +155,7 @@ def read_table(data_dir: str | os.PathLike) -> tuple[JenaTable, dict[str, Any]]:
 
 def load_table(data_dir: str | os.PathLike, csv_path: str | os.PathLike | None = None) -> JenaTable:
     """Prepare (if needed) and read back; data_dir must hold this very CSV (by sha256)."""
-    content, name = _source(None if csv_path is None else os.fspath(csv_path))
+    content, name = _source(_resolve(data_dir, csv_path))
     meta = prepare(data_dir, csv_path).info.metadata or {}
     want, have = hashlib.sha256(content).hexdigest(), meta.get("source_sha256")
     if have != want:

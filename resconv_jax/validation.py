@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 
 import jax
 
@@ -258,3 +259,9 @@ def check_workdir(workdir: str, *, checkpoints: bool = True) -> None:
         existing = os.path.dirname(existing)
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"--workdir={workdir}: {existing} is not writable")
+    try:  # os.access answers yes to root where a write still fails (/proc, some mounts)
+        os.rmdir(tempfile.mkdtemp(prefix=".resconv-check-", dir=existing))
+    except OSError as error:
+        raise ConfigError(
+            f"--workdir={workdir}: a folder cannot be created there ({wd.describe_os_error(error)})"
+        ) from None

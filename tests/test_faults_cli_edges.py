@@ -23,6 +23,16 @@ def test_an_empty_workdir_is_refused_not_taken_as_this_folder(workdir):
         check_workdir(workdir)
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_a_workdir_that_cannot_be_made_is_bad_input_even_for_root():
+    """os.access says /proc is writable to root, so this was let through and failed at the
+    first write (exit status 4, "a write failed", where bad input is 2)."""
+    workdir = "/proc/resconv_x"
+    with pytest.raises(ConfigError, match=r"cannot be created there \(|is not writable"):
+        check_workdir(workdir)
+    assert not os.path.exists(workdir)
+
+
 def test_a_report_that_cannot_be_written_is_one_line_status_4(tmp_path, capsys, monkeypatch):
     folder = tmp_path / "run"
     folder.mkdir()

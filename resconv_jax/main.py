@@ -72,7 +72,7 @@ _frozen()
 
 EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_BUSY, EXIT_WRITE_FAILED, EXIT_LOST_PROCESS = 1, 2, 3, 4, 5
 EXIT_INTERRUPTED = signals.EXIT_INTERRUPTED  # Ctrl-C (SIGINT), as a shell reports it
-EXIT_PIPE_CLOSED = 141  # stdout's reader went away (`| head`): 128 + SIGPIPE, as a shell reports it
+EXIT_PIPE_CLOSED = signals.EXIT_PIPE_CLOSED  # stdout's reader went away (`| head`)
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to an ml_collections config file.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics); resumes.")

@@ -23,8 +23,10 @@ found runs its fallback instead (SST-2: the random-init GPT-2), labelled so.
 
 Exit status: 0 when every experiment ran, resumed or was reused, 1 when one could not run (the
 report says which and why), 2 for bad flags or a workdir that cannot be written, 3 when another
-process holds DIR, 130 after Ctrl-C (one line; with --jobs > 1 the running experiments first stop
-at a safe point, a second Ctrl-C stops them at once; rerun the same command to go on).
+process holds DIR, 141 when the output pipe closed (`| head`: the running experiments stop at a
+safe point, as after a SIGTERM), 130 after Ctrl-C (one line; with --jobs > 1 the running
+experiments first stop at a safe point, a second Ctrl-C stops them at once; rerun the same
+command to go on).
 """
 
 from __future__ import annotations
@@ -295,6 +297,7 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         exit_with(f"unexpected arguments: {' '.join(argv[1:])}", 2)
     logging.set_verbosity(logging.WARNING)
+    signals.stop_when_output_closes()
     compile_cache.enable(flags.FLAGS.compilation_cache)
     workdir, scale, readme = flags.FLAGS.workdir, flags.FLAGS.scale, flags.FLAGS.readme
     workdir = os.path.expanduser(workdir)  # --workdir=~/x: the shell leaves the ~
@@ -314,6 +317,11 @@ def main(argv: list[str]) -> None:
             os._exit(status)
         sys.exit(status)
     except Preempted as stop:
+        if signals.output_closed():
+            print("error: the output pipe closed (| head?): stopped, every experiment at a safe "
+                  "point (its checkpoint saved); rerun the same reproduce command to go on",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            sys.exit(signals.EXIT_PIPE_CLOSED)
         print(f"{stop}; rerun the same reproduce command to go on", flush=True)
         sys.exit(0)
     except (Interrupted, KeyboardInterrupt) as stop:

@@ -153,6 +153,27 @@ def test_a_closed_output_pipe_is_status_141_without_a_traceback_and_resumable(tm
 
 
 @pytest.mark.slow
+def test_reproduce_with_a_closed_output_pipe_stops_at_a_safe_point_status_141(tmp_path):
+    """`reproduce ... | head`: a BrokenPipeError traceback and exit 1 before (and with --jobs,
+    workers left to finish on their own). Now it is a stop request, as a SIGTERM is."""
+    command = [sys.executable, "-m", "resconv_jax.reproduce", f"--workdir={tmp_path}",
+               "--scale=tiny", "--only=theory", "--jobs=1"]  # fmt: skip
+    env = os.environ | {"PYTHONPATH": os.path.abspath(ROOT)}
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+    process.stdout.readline()
+    process.stdout.close()
+    _, err = process.communicate(timeout=180)
+    assert process.returncode == 141, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "output pipe closed" in err
+    rerun = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=300)  # fmt: skip
+    assert rerun.returncode == 0, rerun.stderr
+    assert "theory" in (tmp_path / "REPORT.md").read_text()
+
+
+@pytest.mark.slow
 def test_a_workdir_given_as_tilde_is_under_home(tmp_path):
     """`--workdir=~/x` (the shell does not expand a ~ after '='): a folder named '~' was made."""
     command = [sys.executable, "-m", "resconv_jax.main", f"--config={TINY}", "--workdir=~/run",

@@ -162,6 +162,26 @@ def test_a_ctrl_c_after_a_worker_was_preempted_alone_still_stops_the_others(tmp_
     assert re.search(r"preempted at step \d+: checkpoint saved", log), log[-2000:]
 
 
+def test_a_closed_output_pipe_is_a_stop_request_and_later_prints_vanish(monkeypatch):
+    """What `reproduce ... | head` relies on: the print that meets the closed pipe raises
+    nothing, the run loops see `requested()` as after a SIGTERM, and the parent's later lines
+    (the workers' `run_all` prints as it hands out and collects) go nowhere."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    stream = open(write_end, "w")  # noqa: SIM115 (closed below)
+    monkeypatch.setattr(sys, "stdout", stream)
+    monkeypatch.setattr(signals, "_closed", threading.Event())
+    try:
+        signals.stop_when_output_closes()
+        assert not signals.output_closed()
+        print("first line", flush=True)
+        assert signals.output_closed() and signals.requested()
+        print("a later line", flush=True)
+    finally:
+        signals.acknowledge()
+        stream.close()
+
+
 def test_within_interrupt_as_stop_the_first_ctrl_c_is_a_flag_and_the_second_raises():
     with signals.interrupt_as_stop():
         os.kill(os.getpid(), signal.SIGINT)

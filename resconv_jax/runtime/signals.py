@@ -1,4 +1,6 @@
-"""SIGTERM as a request to stop at the next safe point (a log step, or before training starts).
+"""SIGTERM as a request to stop at the next safe point (a log step, or before training starts);
+and, for `reproduce`, a closed output pipe (`| head`) as the same request
+(`stop_when_output_closes`).
 
 `main.py` installs the handler before it imports JAX, so a SIGTERM at any point of start-up is
 seen; `train.run` installs it too (for library callers) and polls `requested()`. Single-process
@@ -11,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 
 _received = threading.Event()
@@ -49,6 +52,53 @@ def acknowledge() -> None:
     _received.clear()
 
 
+class _StopWhenClosed:
+    """A text stream whose BrokenPipeError (its reader went away) is a stop request instead."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            _output_closed(self._stream)
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            _output_closed(self._stream)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def stop_when_output_closes() -> None:
+    """From now on, stdout's reader going away (`| head`) is a stop request, as a SIGTERM is
+    (`requested()`), and `output_closed()` says so; what is printed afterwards goes nowhere."""
+    if not isinstance(sys.stdout, _StopWhenClosed):
+        sys.stdout = _StopWhenClosed(sys.stdout)
+
+
+def _output_closed(stream) -> None:
+    with contextlib.suppress(OSError, ValueError):  # later writes, the exit's flush too, vanish
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+    _closed.set()
+    _received.set()
+
+
+def output_closed() -> bool:
+    """Whether stdout's reader went away since `stop_when_output_closes`."""
+    return _closed.is_set()
+
+
+_closed = threading.Event()
+
+EXIT_PIPE_CLOSED = 141  # 128 + SIGPIPE, as a shell reports a writer whose reader went away
 EXIT_INTERRUPTED = 130  # the exit status after Ctrl-C (SIGINT), as a shell reports it
 
 

@@ -16,7 +16,7 @@ from flax import nnx
 from resconv_jax.analysis import probe
 from resconv_jax.config_defaults import load_config_file
 from resconv_jax.errors import ConfigError, WorkdirWriteError
-from resconv_jax.experiments import rank_collapse
+from resconv_jax.experiments import rank_collapse, rank_collapse_plot
 from resconv_jax.models import transformer
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -265,7 +265,7 @@ def test_a_rerun_that_fails_mid_write_leaves_a_folder_no_config_calls_finished(
     def full_disk(target, *args):
         raise WorkdirWriteError(f"cannot write {target} (No space left on device)")
 
-    monkeypatch.setattr(rank_collapse, "plot", full_disk)
+    monkeypatch.setattr(rank_collapse_plot, "plot", full_disk)
     with pytest.raises(WorkdirWriteError):
         rank_collapse.spectra(second, str(tmp_path))
     assert rank_collapse.why_unfinished(second, str(tmp_path)) is not None

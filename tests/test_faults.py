@@ -119,6 +119,30 @@ def test_a_second_process_on_the_workdir_is_refused(tmp_path):
     assert not os.path.exists(tmp_path / "w" / CONFIG_FILE)
 
 
+def test_a_second_process_on_a_finished_run_still_held_is_refused_before_it_says_finished(
+    tmp_path, capsys
+):
+    """main's rerun of a finished run whose first process still holds the workdir (writing its
+    last files): it printed "finished and intact", then exited 0 or 3 (busy) depending on
+    whether the report had to be written again. Now it is refused at once, as any second
+    process is."""
+    from resconv_jax import experiments
+
+    config = tiny(**{"train.num_steps": 10})
+    train.run(config, str(tmp_path))
+    capsys.readouterr()
+    holder = WorkdirLock(str(tmp_path))
+    holder.acquire()
+    try:
+        with pytest.raises(WorkdirBusy, match="in use by PID"):
+            experiments.run_task(config, str(tmp_path), reuse_finished=True)
+    finally:
+        holder.release()
+    assert "finished and intact" not in capsys.readouterr().out
+    experiments.run_task(config, str(tmp_path), reuse_finished=True)
+    assert "finished and intact" in capsys.readouterr().out
+
+
 def _restore_raw(workdir, step: int):
     import orbax.checkpoint as ocp
 

@@ -95,7 +95,12 @@ def _holds_finished(task: ModuleType, config, workdir: str) -> bool:
     check_workdir(workdir)  # a store that cannot be reached: its one line, before any read
     if jax.process_count() > 1 or not wd.path(workdir).is_dir():
         return False
-    return task.why_unfinished(config, workdir) is None
+    if task.why_unfinished(config, workdir) is not None:
+        return False
+    lock = wd.WorkdirLock(workdir)  # a run still writing its last files: WorkdirBusy, as for
+    lock.acquire()  # any second process, before anything is said
+    lock.release()
+    return True
 
 
 def read_summaries(workdir: str) -> list[dict]:

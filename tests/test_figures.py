@@ -194,3 +194,23 @@ def test_a_summed_loss_table_says_train_and_validation_sums_are_not_comparable()
     assert note not in figures.format_beta_table(rows, summed=False)
     no_val = [row | {"threshold": 1.0} for row in figures.beta_table(history())[0]]
     assert note not in figures.format_beta_table(no_val, summed=True)
+
+
+def test_the_beta_table_gives_each_rows_worst_fit_so_a_plateau_is_not_read_as_a_rate():
+    """rate/step is the slope of a line fitted to log L_t. On a plateau (Jena: R² 0.07-0.43) it
+    printed as a linear rate of 0.9998 with nothing in the table to say the fit was no line."""
+    early = range(0, 31, 5)  # before history()'s losses bend onto their floor
+    straight = [row | {"threshold": 1.0} for row in figures.beta_table(history(steps=early))[0]]
+    assert "not a linear rate" not in figures.format_beta_table(straight)
+    lines = history(steps=early)
+    for line in lines:
+        if line["run"] == 3:  # seed 1, β = 0: a wobbling plateau, no linear descent
+            line["loss"] = 1.0 + 0.05 * np.sin(line["step"])
+    rows = [row | {"threshold": 1.0} for row in figures.beta_table(lines)[0]]
+    table = figures.format_beta_table(rows).splitlines()
+    assert "min R²" in table[1]
+    # beta_a beta_f runs final-loss final-val steps<thr rate/step min-R² ...
+    worst = {float(line.split()[0]): float(line.split()[7]) for line in table[2:5]}
+    assert worst[0.0] < 0.5 and worst[0.5] > 0.99 and worst[1.0] > 0.99
+    assert worst[0.0] == pytest.approx(rows[0]["rate_r2_min"], abs=1e-4)
+    assert any("min R² below 0.99" in line and "not a linear rate" in line for line in table[5:])

@@ -12,6 +12,8 @@ from resconv_jax.analysis.theory import fit_linear_rate
 # In float32, below this fraction of the initial loss the rounding of the residuals (~eps·|F|)
 # moves L_{t+1}/L_t by more than ~√eps, which bends the log-linear fit and the certificate checks.
 FIT_FLOOR = 1e-7
+# R² of the log-loss fit from which a run descends linearly (claim 1's threshold).
+LINEAR_FIT_R2 = 0.99
 
 
 def fit_floor(dtype: str) -> float:

@@ -12,7 +12,7 @@ import dataclasses
 
 import numpy as np
 
-from resconv_jax.analysis.summary import certificate_checks, fit_floor, series
+from resconv_jax.analysis.summary import LINEAR_FIT_R2, certificate_checks, fit_floor, series
 from resconv_jax.experiments import claims
 from resconv_jax.experiments.claims import Claim
 from resconv_jax.experiments.record import ClaimCheck, Experiment, scale_variants
@@ -22,7 +22,7 @@ from resconv_jax.runtime.metrics import read_metrics
 from resconv_jax.runtime.workdir import CONFIG_FILE
 
 
-def linear_convergence(workdir, threshold: float = 0.99) -> Claim:
+def linear_convergence(workdir, threshold: float = LINEAR_FIT_R2) -> Claim:
     """Claim 1: R² of the log-loss fit ≥ threshold for every run (theory regime, float64)."""
     claim = Claim(
         "1. linear convergence (theory regime, each β, float64)",

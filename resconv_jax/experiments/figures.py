@@ -11,7 +11,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
-from resconv_jax.analysis.summary import FIT_FLOOR, fit_rate, lr_swept, series  # noqa: E402
+from resconv_jax.analysis.summary import (  # noqa: E402
+    FIT_FLOOR,
+    LINEAR_FIT_R2,
+    fit_rate,
+    lr_swept,
+    series,
+)
 from resconv_jax.runtime import workdir as wd  # noqa: E402
 from resconv_jax.runtime.workdir import write_csv, write_png  # noqa: E402
 
@@ -177,13 +183,14 @@ def beta_table(
         steps, losses = series(history, run["run"], "loss")
         val = series(history, run["run"], "val_loss")[1]
         fro = series(history, run["run"], Z_FRO)[1]
-        rate, _ = fit_rate(steps, losses, floor)
+        rate, r2 = fit_rate(steps, losses, floor)
         groups.setdefault(group_key(run, swept), []).append(
             {
                 "final_loss": losses[-1],
                 "final_val_loss": val[-1] if val.size else np.nan,
                 "steps_to_threshold": steps_to_threshold(steps, losses, threshold),
                 "rate": rate,
+                "rate_r2": r2,
                 "z_sigma_min_over_fro_start": fro[0] if fro.size else np.nan,
                 "z_sigma_min_over_fro_end": fro[-1] if fro.size else np.nan,
             }
@@ -351,7 +358,7 @@ def format_beta_table(rows: list[dict], summed: bool = False) -> str:
         + (f"{'lr':>9} " if lr else "")
         + (
             f"{'beta_a':>6} {'beta_f':>6} {'runs':>4} {'final loss':>11} {'final val':>11} "
-            f"{'steps<thr':>9} {'rate/step':>9} {'σmin/‖Z‖F start':>16} {'end':>9}"
+            f"{'steps<thr':>9} {'rate/step':>9} {'min R²':>7} {'σmin/‖Z‖F start':>16} {'end':>9}"
         )
     )
     lines = [f"per-β table (threshold {rows[0]['threshold']:.4g}; means over runs):", header]
@@ -366,12 +373,17 @@ def format_beta_table(rows: list[dict], summed: bool = False) -> str:
             + (f"{row['lr']:>9.3g} " if lr else "")
             + f"{row['beta_attn']:>6g} {row['beta_ffn']:>6g} {row['runs']:>4d} "
             f"{row['final_loss']:>11.4e} {row['final_val_loss']:>11.4e} "
-            f"{steps} {row['rate']:>9.5f} "
+            f"{steps} {row['rate']:>9.5f} {row['rate_r2_min']:>7.4f} "
             f"{row['z_sigma_min_over_fro_start']:>16.4g} {row['z_sigma_min_over_fro_end']:>9.4g}"
         )
     if undefined:
         lines.append(
             "steps<thr '-': a run of the row starts at or below the threshold, or never reaches it"
+        )
+    if any(not row["rate_r2_min"] >= LINEAR_FIT_R2 for row in rows):
+        lines.append(
+            f"rate/step: the slope of a line fitted to log loss; min R² below {LINEAR_FIT_R2:g} "
+            "(the row's worst run): its loss is no line, and the slope is not a linear rate"
         )
     if depth and any(row["num_layers"] > 1 for row in rows):
         lines.append("σmin/‖Z‖F: layer 0's; the depth table and depth_sigma.png give every layer")

@@ -6,19 +6,11 @@ import re
 
 import numpy as np
 import pytest
+from test_faults import CONFIGS, tiny
 
 from resconv_jax import train
 from resconv_jax.config_defaults import load_config_file
 from resconv_jax.errors import ConfigError
-
-ROOT = os.path.join(os.path.dirname(__file__), "..")
-TINY = os.path.join(ROOT, "configs", "tiny.py")
-CONFIGS = os.path.join(ROOT, "configs")
-STEPS = {"train.num_steps": 40, "train.checkpoint_every": 10, "train.async_checkpoints": False}
-
-
-def tiny(**overrides):
-    return load_config_file(TINY, **(STEPS | overrides))
 
 
 @pytest.mark.parametrize(

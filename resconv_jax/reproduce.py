@@ -60,7 +60,7 @@ from resconv_jax.experiments import claims  # noqa: E402
 from resconv_jax.experiments.record import SCALES, Experiment  # noqa: E402
 from resconv_jax.reproducing import report  # noqa: E402
 from resconv_jax.reproducing.outcomes import Outcome, finished_before, run_experiment  # noqa: E402
-from resconv_jax.runtime import compile_cache, signals  # noqa: E402
+from resconv_jax.runtime import compile_cache, host, signals  # noqa: E402
 from resconv_jax.runtime import workdir as wd  # noqa: E402
 from resconv_jax.runtime.metrics import METRICS_FILE  # noqa: E402
 from resconv_jax.validation import check_workdir  # noqa: E402
@@ -237,7 +237,7 @@ def _reproduce_locked(
     spent = ", ".join(f"{o.experiment.name} {o.wall:.0f} s" for o in outcomes)
     print(
         f"{total:.0f} s from the first experiment to the claims table ({spent}; the table "
-        f"{table_seconds:.0f} s)",
+        f"{table_seconds:.0f} s); {report.cpu_line(outcomes, host.usable_cores())}",
         flush=True,
     )
     print(f"wrote {wd.path(root) / report.REPORT_FILE}", flush=True)

@@ -117,7 +117,8 @@ def _short_tiny(folder, **more):
 @pytest.mark.slow
 def test_a_damaged_finished_run_is_resumed_not_reused(tmp_path):
     experiment = _short_tiny(tmp_path)
-    assert run_experiment(experiment, "paper", str(tmp_path), {}).status == "ran"
+    ran = run_experiment(experiment, "paper", str(tmp_path), {})
+    assert ran.status == "ran" and 0 < ran.cpu  # its CPU seconds, for REPORT.md's wall times
     assert run_experiment(experiment, "paper", str(tmp_path), {}).status == "reused"
     metrics, summary = tmp_path / "tiny" / "metrics.jsonl", tmp_path / "tiny" / "summary.json"
     good_metrics, good_summary = metrics.read_bytes(), summary.read_bytes()
@@ -288,3 +289,23 @@ def test_the_report_names_the_cpu_and_the_cores_this_process_may_use(monkeypatch
     assert line.startswith("- machine: Test CPU 9000, 1 of ") and " CPU cores usable, " in line
     monkeypatch.undo()
     assert 1 <= host.usable_cores() <= os.cpu_count() and host.cpu_model()
+
+
+def test_the_wall_times_give_each_experiments_cpu_and_the_floor_it_sets(monkeypatch):
+    """Where `reproduce`'s time goes: wall seconds overlap with --jobs, CPU seconds add up, and
+    their sum over the usable cores is a wall time no schedule of the same work can beat."""
+    from resconv_jax.experiments.record import Experiment, scale_variants
+    from resconv_jax.runtime import host
+
+    monkeypatch.setattr(host, "usable_cores", lambda: 2)
+    outcomes = []
+    for name, wall, cpu in (("a", 100.0, 150.0), ("b", 90.0, 130.0)):
+        outcome = Outcome(Experiment(name, name, "x.py", scale_variants("", "", "")), name,
+                          "ran", wall, [])  # fmt: skip
+        outcome.wall, outcome.cpu = wall, cpu
+        outcomes.append(outcome)
+    rows = report.wall_times(outcomes, 120.0, jobs=2)
+    assert "| experiment | status | seconds | CPU seconds |" in rows
+    assert "| a | ran | 100.0 | 150.0 |" in rows
+    assert "| all, from the first experiment to the claims table | | 120.0 | 280.0 |" in rows
+    assert rows[-1] == "CPU 280 s in all, 140 s over the 2 usable cores."

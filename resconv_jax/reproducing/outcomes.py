@@ -34,6 +34,7 @@ class Outcome:
     missing_weights: bool = False  # stopped because the pretrained weights were not found
     label: str = ""  # prefixed to the notes of its claims
     wall: float = 0.0  # seconds this invocation spent on it (reused: the checks and the report)
+    cpu: float = 0.0  # CPU seconds of its process over `wall`, every thread's (XLA's) included
 
     def status_line(self) -> str:
         """'   NAME: STATUS, SECONDS s', as printed when it is done."""
@@ -112,7 +113,7 @@ def run_experiment(experiment: Experiment, scale: str, root: str, times: dict) -
     its weights are not found; an error that stops it (bad input, including data and weights:
     ValueError; divergence; a busy or unwritable workdir) becomes a "not run" outcome.
     Preempted is raised: the whole command stops, and a rerun resumes."""
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     outcome = _attempt(experiment, scale, root, times)
     outcome.label = experiment.label
     fallback = experiment.fallback
@@ -123,5 +124,6 @@ def run_experiment(experiment: Experiment, scale: str, root: str, times: dict) -
         substitute.label = f"{fallback.label} ({outcome.reason})"
         outcome = substitute
     outcome.wall = time.perf_counter() - start
+    outcome.cpu = time.process_time() - cpu_start
     print(outcome.status_line(), flush=True)
     return outcome

@@ -184,13 +184,24 @@ def format_report(
 
 
 def wall_times(outcomes: list[Outcome], total: float, jobs: int = 1) -> list[str]:
-    """This invocation's seconds per experiment and in all, as a Markdown table."""
+    """This invocation's seconds per experiment and in all, as a Markdown table, with the CPU
+    seconds of each (`cpu_line`)."""
     rows = []
     if jobs > 1:
         rows = [f"{jobs} experiments at a time (`--jobs`): their times overlap.", ""]
-    rows += ["| experiment | status | seconds |", "|---|---|---|"]
-    rows += [f"| {o.experiment.name} | {o.status} | {o.wall:.1f} |" for o in outcomes]
-    return rows + [f"| all, from the first experiment to the claims table | | {total:.1f} |"]
+    rows += ["| experiment | status | seconds | CPU seconds |", "|---|---|---|---|"]
+    rows += [f"| {o.experiment.name} | {o.status} | {o.wall:.1f} | {o.cpu:.1f} |" for o in outcomes]
+    cpu = sum(o.cpu for o in outcomes)
+    rows += [f"| all, from the first experiment to the claims table | | {total:.1f} | {cpu:.1f} |"]
+    return rows + ["", cpu_line(outcomes, host.usable_cores()) + "."]
+
+
+def cpu_line(outcomes: list[Outcome], cores: int) -> str:
+    """'CPU N s ...': the experiments' CPU seconds (every thread of their processes, XLA's
+    included), and that over the `cores` this process may use: no schedule of the same work
+    takes less wall time here (a thread pool's spinning counts as work)."""
+    cpu = sum(o.cpu for o in outcomes)
+    return f"CPU {cpu:.0f} s in all, {cpu / cores:.0f} s over the {cores} usable cores"
 
 
 README_START, README_END = "<!-- claims table: start -->", "<!-- claims table: end -->"

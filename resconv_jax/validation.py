@@ -259,8 +259,11 @@ def check_workdir(workdir: str, *, checkpoints: bool = True) -> None:
         existing = os.path.dirname(existing)
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"--workdir={workdir}: {existing} is not writable")
-    try:  # os.access answers yes to root where a write still fails (/proc, some mounts)
-        os.rmdir(tempfile.mkdtemp(prefix=".resconv-check-", dir=existing))
+    # os.access answers yes to root where a write still fails (/proc, some mounts). The probe's
+    # name holds ".tmp-", which readers of a workdir skip (results_cache), so that one walking it
+    # at this moment never meets a folder that vanishes under it.
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".tmp-resconv-check-", dir=existing))
     except OSError as error:
         raise ConfigError(
             f"--workdir={workdir}: a folder cannot be created there ({wd.describe_os_error(error)})"

@@ -33,6 +33,29 @@ def test_a_workdir_that_cannot_be_made_is_bad_input_even_for_root():
     assert not os.path.exists(workdir)
 
 
+def test_the_workdir_probe_is_a_folder_that_readers_of_the_workdir_skip(tmp_path, monkeypatch):
+    """check_workdir makes and removes a folder in an existing workdir; another process hashing
+    that workdir's files at the same moment (results_cache) must not list it, or it lists a
+    folder that is gone when it descends into it (FileNotFoundError)."""
+    from resconv_jax.experiments import results_cache
+
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    before = results_cache.files_digest(tmp_path)
+    probes = []
+    real_rmdir = os.rmdir
+
+    def rmdir_later(path):
+        probes.append(path)  # left in place while the digest is taken
+
+    monkeypatch.setattr(os, "rmdir", rmdir_later)
+    check_workdir(str(tmp_path))
+    (probe,) = probes
+    assert os.path.dirname(probe) == str(tmp_path) and os.path.isdir(probe)
+    assert results_cache.skipped(os.path.basename(probe))
+    assert results_cache.files_digest(tmp_path) == before
+    real_rmdir(probe)
+
+
 def test_a_report_that_cannot_be_written_is_one_line_status_4(tmp_path, capsys, monkeypatch):
     folder = tmp_path / "run"
     folder.mkdir()

@@ -46,6 +46,12 @@ def code_digest() -> str:
     return digest.hexdigest()
 
 
+def skipped(name: str) -> bool:
+    """Whether `files_digest` leaves out a file or folder of this name: checkpoint folders, the
+    lock, the cache, and temporary names (".tmp-": atomic writes, check_workdir's probe)."""
+    return name in _SKIPPED or ".tmp-" in name
+
+
 def files_digest(folder) -> str:
     """SHA-256 over the relative path and content of every file under `folder`, in sorted
     order, skipping checkpoint folders, the lock, the cache and temporary files."""
@@ -55,7 +61,7 @@ def files_digest(folder) -> str:
     found = []
     while pending:
         for entry in pending.pop().iterdir():
-            if entry.name in _SKIPPED or ".tmp-" in entry.name:
+            if skipped(entry.name):
                 continue
             (pending if entry.is_dir() else found).append(entry)
     for entry in sorted(found, key=lambda e: str(e.relative_to(root))):

@@ -214,3 +214,15 @@ def test_the_beta_table_gives_each_rows_worst_fit_so_a_plateau_is_not_read_as_a_
     assert worst[0.0] < 0.5 and worst[0.5] > 0.99 and worst[1.0] > 0.99
     assert worst[0.0] == pytest.approx(rows[0]["rate_r2_min"], abs=1e-4)
     assert any("min R² below 0.99" in line and "not a linear rate" in line for line in table[5:])
+
+
+def test_a_run_too_short_to_fit_is_said_unfit_not_said_to_be_no_line():
+    """Fewer than 3 logged losses above the fit floor: no R² (NaN). The row's min R² was NaN
+    (hiding its other runs' fits) and the table said its loss "is no line"."""
+    lines = history(steps=range(0, 31, 5))
+    lines = [line for line in lines if line["run"] != 3 or line["step"] <= 5]  # 2 losses
+    rows = [row | {"threshold": 1.0} for row in figures.beta_table(lines)[0]]
+    assert rows[0]["rate_r2_min"] > 0.99  # its other run's fit, not NaN
+    table = figures.format_beta_table(rows)
+    assert "not a linear rate" not in table
+    assert "no rate fit" in table and "fewer than 3 logged losses above the fit floor" in table

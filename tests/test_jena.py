@@ -304,6 +304,19 @@ def test_tfds_reads_a_csv_put_in_its_manual_folder(tmp_path: Path, hourly):
     assert "jena_climate_2009_2016.csv" in via_tfds.source
 
 
+def test_tfds_finds_the_manual_csv_under_a_tilde_data_dir(tmp_path: Path, hourly, monkeypatch):
+    """tfds_data_dir="~/tfds": the folder was made under $HOME, but the manual folder was looked
+    for under a literal "~", so the bundled sample was prepared instead of the user's CSV."""
+    path, _ = hourly
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)  # where the old code made its literal "~" folder
+    manual = tmp_path / "tfds" / "downloads" / "manual"
+    manual.mkdir(parents=True)
+    (manual / "jena_climate_2009_2016.csv").write_bytes(path.read_bytes())
+    via_tfds = load_jena(file_cfg("", source="tfds", tfds_data_dir="~/tfds", stride=3))
+    assert "jena_climate_2009_2016.csv" in via_tfds.source
+
+
 def test_download_fails_fast_offline(tmp_path: Path, monkeypatch):
     monkeypatch.setattr(jena, "JENA_URL", "http://127.0.0.1:9/jena_climate_2009_2016.csv.zip")
     cfg = jena.default_config()

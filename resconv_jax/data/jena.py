@@ -215,7 +215,7 @@ def load_table(cfg: Any) -> tuple[JenaTable, str]:
     from resconv_jax.data.formats import jena_tfds  # tensorflow_datasets is slow to import
 
     data_dir = c["tfds_data_dir"] or str(_cache_dir(c) / "tfds")
-    made_folder(data_dir, error=JenaDataError, label="jena", field="tfds_data_dir")
+    data_dir = str(made_folder(data_dir, error=JenaDataError, label="jena", field="tfds_data_dir"))
     table = jena_tfds.load_table(data_dir, c["path"] or None)
     return table, f"tfds jena_climate in {data_dir} (from {table.name})"
 

@@ -206,6 +206,9 @@ def beta_table(
             row[key] = float(np.mean(values))
             row[f"{key}_min"] = float(np.min(values))
             row[f"{key}_max"] = float(np.max(values))
+        fitted = [m["rate_r2"] for m in members if np.isfinite(m["rate_r2"])]
+        row["rate_r2_min"] = min(fitted, default=np.nan)  # of the runs that could be fitted
+        row["unfit_runs"] = len(members) - len(fitted)
         rows.append(row)
     return rows, threshold
 
@@ -380,10 +383,15 @@ def format_beta_table(rows: list[dict], summed: bool = False) -> str:
         lines.append(
             "steps<thr '-': a run of the row starts at or below the threshold, or never reaches it"
         )
-    if any(not row["rate_r2_min"] >= LINEAR_FIT_R2 for row in rows):
+    if any(row["rate_r2_min"] < LINEAR_FIT_R2 for row in rows):
         lines.append(
             f"rate/step: the slope of a line fitted to log loss; min R² below {LINEAR_FIT_R2:g} "
             "(the row's worst run): its loss is no line, and the slope is not a linear rate"
+        )
+    if unfit := sum(row.get("unfit_runs", 0) for row in rows):
+        lines.append(
+            f"{unfit} run(s) have no rate fit (fewer than 3 logged losses above the fit floor): "
+            "their rows' rate/step is nan, their min R² that of the other runs"
         )
     if depth and any(row["num_layers"] > 1 for row in rows):
         lines.append("σmin/‖Z‖F: layer 0's; the depth table and depth_sigma.png give every layer")

@@ -31,6 +31,7 @@ command to go on).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -318,9 +319,10 @@ def main(argv: list[str]) -> None:
         sys.exit(status)
     except Preempted as stop:
         if signals.output_closed():
-            print("error: the output pipe closed (| head?): stopped, every experiment at a safe "
-                  "point (its checkpoint saved); rerun the same reproduce command to go on",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            with contextlib.suppress(OSError):  # `2>&1 | head`: stderr is that closed pipe too
+                print("error: the output pipe closed (| head?): stopped, every experiment at a "
+                      "safe point (its checkpoint saved); rerun the same reproduce command to go "
+                      "on", file=sys.stderr, flush=True)  # fmt: skip
             sys.exit(signals.EXIT_PIPE_CLOSED)
         print(f"{stop}; rerun the same reproduce command to go on", flush=True)
         sys.exit(0)

@@ -153,18 +153,23 @@ def test_a_closed_output_pipe_is_status_141_without_a_traceback_and_resumable(tm
 
 
 @pytest.mark.slow
-def test_reproduce_with_a_closed_output_pipe_stops_at_a_safe_point_status_141(tmp_path):
+@pytest.mark.parametrize("merged", [False, True], ids=["stdout", "stdout_and_stderr"])
+def test_reproduce_with_a_closed_output_pipe_stops_at_a_safe_point_status_141(tmp_path, merged):
     """`reproduce ... | head`: a BrokenPipeError traceback and exit 1 before (and with --jobs,
-    workers left to finish on their own). Now it is a stop request, as a SIGTERM is."""
+    workers left to finish on their own). Now it is a stop request, as a SIGTERM is; with
+    `2>&1 | head` the one line it then says to stderr meets the closed pipe too."""
     command = [sys.executable, "-m", "resconv_jax.reproduce", f"--workdir={tmp_path}",
                "--scale=tiny", "--only=theory", "--jobs=1"]  # fmt: skip
     env = os.environ | {"PYTHONPATH": os.path.abspath(ROOT)}
+    stderr = subprocess.STDOUT if merged else subprocess.PIPE
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+                               stderr=stderr, text=True)  # fmt: skip
     process.stdout.readline()
     process.stdout.close()
     _, err = process.communicate(timeout=180)
     assert process.returncode == 141, err
+    if merged:
+        return
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert "output pipe closed" in err
     rerun = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,

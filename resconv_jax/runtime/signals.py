@@ -78,6 +78,7 @@ class _StopWhenClosed:
 def stop_when_output_closes() -> None:
     """From now on, stdout's reader going away (`| head`) is a stop request, as a SIGTERM is
     (`requested()`), and `output_closed()` says so; what is printed afterwards goes nowhere."""
+    _closed.clear()
     if not isinstance(sys.stdout, _StopWhenClosed):
         sys.stdout = _StopWhenClosed(sys.stdout)
 

@@ -214,6 +214,23 @@ def test_a_gcs_lock_of_an_ended_process_of_this_host_is_taken_over(gcs, capsys):
     assert ("w/.lock" not in gcs.names(BUCKET, "w/")) and "w/metrics.jsonl" in gcs.names(BUCKET)
 
 
+def test_a_finished_gcs_run_is_reused_without_writing_a_lock_object(gcs, capsys):
+    """main's rerun of a finished gs:// run reads and says; it wrote (and deleted) a lock
+    object to check that no other process holds the run, so a reader without write access to
+    the bucket got exit status 4 instead of the run's tables. A live holder is still refused."""
+    config = tiny(**{"train.num_steps": 10})
+    experiments.run_task(config, f"gs://{BUCKET}/w")
+    capsys.readouterr()
+    gcs.fail_writes(".lock")  # as a reader of the bucket who may not write
+    experiments.run_task(config, f"gs://{BUCKET}/w", reuse_finished=True)
+    assert "finished and intact" in capsys.readouterr().out
+    gcs.failing.clear()
+    gcs.put(BUCKET, "w/.lock", b"123 other-host 2026-01-01T00:00:00\n")
+    with pytest.raises(WorkdirBusy, match="in use by PID 123 on host other-host"):
+        experiments.run_task(config, f"gs://{BUCKET}/w", reuse_finished=True)
+    assert "w/.lock" in gcs.names(BUCKET, "w/")  # another's lock object is left alone
+
+
 def test_a_gcs_lock_of_another_host_is_refused(gcs):
     gcs.put(BUCKET, "w/.lock", b"123 other-host 2026-01-01T00:00:00\n")
     with pytest.raises(WorkdirBusy, match="in use by PID 123 on host other-host since 2026"):

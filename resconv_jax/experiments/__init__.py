@@ -97,9 +97,9 @@ def _holds_finished(task: ModuleType, config, workdir: str) -> bool:
         return False
     if task.why_unfinished(config, workdir) is not None:
         return False
-    lock = wd.WorkdirLock(workdir)  # a run still writing its last files: WorkdirBusy, as for
-    lock.acquire()  # any second process, before anything is said
-    lock.release()
+    # A run still writing its last files: WorkdirBusy, as for any second process, before
+    # anything is said.
+    wd.WorkdirLock(workdir).refuse_if_held()
     return True
 
 

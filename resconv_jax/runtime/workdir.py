@@ -290,20 +290,37 @@ class WorkdirLock:
             f.flush()
         self._file = f
 
-    def _acquire_object(self) -> None:
+    def refuse_if_held(self) -> None:
+        """WorkdirBusy, naming the holder, if another process holds the lock now; takes nothing.
+        Local: the flock taken and dropped at once. Object storage: the lock object only read
+        (a reader without write access to the bucket may still reuse a finished run)."""
+        if is_local(self.path):
+            self._acquire_flock()
+            self.release()
+        else:
+            self._object_holder()
+
+    def _object_holder(self) -> dict | None:
+        """The lock object's holder fields when it names a process that has ended (for
+        `_acquire_object` to take over), None when there is none; WorkdirBusy when it names one
+        that may still run."""
         key = os.fspath(self.path)
         try:
             fields = _holder_fields(self.path)
         except Exception as error:  # noqa: BLE001 - the store's own errors, in one line
             raise WorkdirWriteError(f"cannot read {key} ({describe_os_error(error)})") from None
-        if fields is not None:
-            if key in _HELD or not _gone(fields):
-                how = f" (gcloud storage rm {key})" if key.startswith("gs://") else ""
-                raise WorkdirBusy(
-                    f"--workdir={self._workdir} is in use by {_holder(fields)} (per the lock "
-                    f"object {key}); wait for that run to end, or, if it is no longer running, "
-                    f"delete that object{how} and rerun; or use another --workdir"
-                )
+        if fields is not None and (key in _HELD or not _gone(fields)):
+            how = f" (gcloud storage rm {key})" if key.startswith("gs://") else ""
+            raise WorkdirBusy(
+                f"--workdir={self._workdir} is in use by {_holder(fields)} (per the lock "
+                f"object {key}); wait for that run to end, or, if it is no longer running, "
+                f"delete that object{how} and rerun; or use another --workdir"
+            )
+        return fields
+
+    def _acquire_object(self) -> None:
+        key = os.fspath(self.path)
+        if (fields := self._object_holder()) is not None:
             print(
                 f"{key}: taking over the lock of {_holder(fields)}, which is no longer running",
                 flush=True,

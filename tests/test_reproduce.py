@@ -138,6 +138,24 @@ def test_a_damaged_finished_run_is_resumed_not_reused(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_finished_experiment_another_process_holds_is_not_run_not_reused(tmp_path):
+    """A `main` still writing the last files of a finished experiment's folder: reproduce said
+    "finished before: reused" and read the folder under it (main refuses such a folder)."""
+    from resconv_jax.runtime.workdir import WorkdirLock
+
+    experiment = _short_tiny(tmp_path)
+    assert run_experiment(experiment, "paper", str(tmp_path), {}).status == "ran"
+    holder = WorkdirLock(str(tmp_path / "tiny"))
+    holder.acquire()
+    try:
+        outcome = run_experiment(experiment, "paper", str(tmp_path), {})
+    finally:
+        holder.release()
+    assert outcome.status == "not run" and f"in use by PID {os.getpid()}" in outcome.reason
+    assert run_experiment(experiment, "paper", str(tmp_path), {}).status == "reused"
+
+
+@pytest.mark.slow
 def test_a_finished_run_of_another_config_is_not_run_and_not_said_to_resume(tmp_path, capsys):
     """It said "not reusable: config.json holds another config: resuming from the last good
     checkpoint", then "not run: ... holds a run with another config"."""

@@ -81,6 +81,7 @@ def _run_one(experiment: Experiment, scale: str, root: str, times: dict) -> Outc
     with _x64(config):
         problem = unfinished_reason(config, workdir)
         if problem is None:
+            wd.WorkdirLock(workdir).refuse_if_held()  # a run still writing it: not run, busy
             tables = experiments.report_tables(task, workdir)
             seconds = times.get(experiment.name, {}).get("seconds")
             print(f"   finished before: reused ({workdir})", flush=True)

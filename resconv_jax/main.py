@@ -266,13 +266,13 @@ def _main(argv: list[str]) -> None:
         )
     except ConfigError as error:
         exit_with(str(error), EXIT_BAD_INPUT)
+    logging.set_verbosity(logging.WARNING)  # before jax.distributed's INFO lines
     if launch.multi_process:
         signals.uninstall()
         multihost.initialize(launch)
         lost_after = max(2.0, launch.heartbeat_timeout_seconds / 2)
         _watchdog = multihost.PeerWatchdog(_on_lost_process, lost_after).start()
         _quiet_stdout(print_here=jax.process_index() == 0)
-    logging.set_verbosity(logging.WARNING)
     compile_cache.enable(_COMPILATION_CACHE.value)
     try:
         config = _CONFIG.value

@@ -121,11 +121,12 @@ def prepare(data_dir: str | os.PathLike, csv_path: str | os.PathLike | None = No
 
     A no-op if data_dir already holds it (whatever CSV it was prepared from).
     """
-    builder = JenaClimate(
-        data_dir=os.fspath(data_dir),
-        csv_path=_resolve(data_dir, csv_path),
-        file_format="array_record",
-    )
+    return _prepare_from(data_dir, _resolve(data_dir, csv_path))
+
+
+def _prepare_from(data_dir: str | os.PathLike, source: str | None) -> JenaClimate:
+    """`prepare` from `source`, already resolved (None: the bundled sample)."""
+    builder = JenaClimate(data_dir=os.fspath(data_dir), csv_path=source, file_format="array_record")
     builder.download_and_prepare(
         download_config=tfds.download.DownloadConfig(
             try_download_gcs=False, compute_stats=tfds.download.ComputeStatsMode.SKIP
@@ -155,8 +156,9 @@ def read_table(data_dir: str | os.PathLike) -> tuple[JenaTable, dict[str, Any]]:
 
 def load_table(data_dir: str | os.PathLike, csv_path: str | os.PathLike | None = None) -> JenaTable:
     """Prepare (if needed) and read back; data_dir must hold this very CSV (by sha256)."""
-    content, name = _source(_resolve(data_dir, csv_path))
-    meta = prepare(data_dir, csv_path).info.metadata or {}
+    source = _resolve(data_dir, csv_path)  # once: the file hashed is the file prepared from
+    content, name = _source(source)
+    meta = _prepare_from(data_dir, source).info.metadata or {}
     want, have = hashlib.sha256(content).hexdigest(), meta.get("source_sha256")
     if have != want:
         raise JenaDataError(

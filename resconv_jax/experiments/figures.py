@@ -388,7 +388,7 @@ def format_beta_table(rows: list[dict], summed: bool = False) -> str:
             f"rate/step: the slope of a line fitted to log loss; min R² below {LINEAR_FIT_R2:g} "
             "(the row's worst run): its loss is no line, and the slope is not a linear rate"
         )
-    if unfit := sum(row.get("unfit_runs", 0) for row in rows):
+    if unfit := sum(row["unfit_runs"] for row in rows):
         lines.append(
             f"{unfit} run(s) have no rate fit (fewer than 3 logged losses above the fit floor): "
             "their rows' rate/step is nan, their min R² that of the other runs"

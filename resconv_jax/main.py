@@ -16,7 +16,7 @@ Every failure is one line on stderr; exit statuses:
      same command on every process to resume from the last checkpoint
   130  interrupted by Ctrl-C: while starting, nothing was written; later, the last checkpoint
      and the metrics lines before it are kept: rerun the same command to resume
-  141  the output pipe closed (`| head`; one process): as 130
+  141  the output pipe closed (`| head`): as 130 (multi-process: the others exit 5)
 --help prints the flags and exits 0.
 """
 
@@ -192,7 +192,7 @@ def main(argv: list[str]) -> None:
             )
         _exit_now(EXIT_INTERRUPTED)
     except Exception as error:
-        if _watchdog is None and isinstance(error, BrokenPipeError):
+        if isinstance(error, BrokenPipeError):  # this process's own output: no peer to wait for
             _pipe_closed()
         if _watchdog is None:
             raise
@@ -205,7 +205,8 @@ def main(argv: list[str]) -> None:
 
 
 def _pipe_closed() -> None:
-    """One process whose stdout's reader went away (`| head`): one line on stderr, exit 141."""
+    """A process whose stdout's reader went away (`| head`): one line on stderr, exit 141 (the
+    other processes of a multi-process run are told, and exit 5)."""
     with contextlib.suppress(OSError, ValueError):  # no more writes into the closed pipe
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     with contextlib.suppress(OSError):

@@ -183,7 +183,7 @@ class PeerWatchdog:
                 deadline = time.monotonic() + self._lost_after
                 others = [p for p in range(1, self._count)]
                 while others and time.monotonic() < deadline:
-                    others = [p for p in others if self._try_get(f"{self.PREFIX}/done/{p}") is None]
+                    others = [p for p in others if not self._ended(p)]
                     time.sleep(0.1)
         except Exception:  # noqa: BLE001 - the service may be gone already at exit
             pass
@@ -196,6 +196,12 @@ class PeerWatchdog:
     def _beat(self) -> None:
         self._beats += 1
         self._client.key_value_set(f"{self.PREFIX}/beat/{self._index}", str(self._beats), True)
+
+    def _ended(self, peer: int) -> bool:
+        """Whether `peer` said it ended, or that it stops because another process failed."""
+        return any(
+            self._try_get(f"{self.PREFIX}/{what}/{peer}") is not None for what in ("done", "stops")
+        )
 
     def _try_get(self, key: str) -> str | None:
         try:
@@ -223,6 +229,9 @@ class PeerWatchdog:
                         continue
                     status, silent = self._status(peer)
                     if status not in (None, "0"):
+                        # Process 0 keeps the coordinator up until every other process has read
+                        # its status: say so, or it waits its whole `lost_after`.
+                        self._client.key_value_set(f"{self.PREFIX}/stops/{self._index}", "1", True)
                         self._on_lost(
                             f"process {peer} of {self._count} exited with status {status}: "
                             f"stopping process {self._index} (see process {peer}'s error line)"

@@ -108,6 +108,13 @@ def selected(only: tuple[str, ...] = ()) -> tuple[Experiment, ...]:
     everything = experiments.experiment_list()
     names = [experiment.name for experiment in everything]
     if unknown := [name for name in only if name not in names]:
+        stands_in_for = {e.fallback.name: e.name for e in everything if e.fallback}
+        if unknown[0] in stands_in_for:  # a name REPORT.md's wall times give
+            parent = stands_in_for[unknown[0]]
+            raise ValueError(
+                f"--only={unknown[0]}: that is {parent}'s stand-in, run when {parent} cannot be: "
+                f"--only={parent}"
+            )
         raise ValueError(
             f"--only={','.join(unknown)}: no such experiment; there are {', '.join(names)}"
         )

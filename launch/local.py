@@ -8,11 +8,14 @@ port, bound to loopback only), and every line a process prints is prefixed with 
 ("[1] ..."). SIGTERM and SIGINT are forwarded to every process (a SIGTERM is a pod preemption:
 all of them save at the same step and exit 0). When a process fails, the others are stopped and
 the launcher exits with the first failure's status (128 + N for a process killed by signal N).
+When the launcher's own output pipe closes (`| head`), every process is stopped as on a
+preemption, and the launcher says so in one line and exits 141.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import signal
@@ -23,6 +26,7 @@ import threading
 import time
 
 GRACE_SECONDS = 10.0  # after the first failure, how long the others get before SIGKILL
+EXIT_PIPE_CLOSED = 141  # as main's and reproduce's: 128 + SIGPIPE
 
 
 def free_port() -> int:
@@ -66,10 +70,19 @@ def commands(num: int, port: int, main_args: list[str], heartbeat: int) -> list[
     ]
 
 
-def _pump(stream, out, prefix: str) -> None:
+def _pump(stream, out, prefix: str, on_closed) -> None:
+    """Copies a child's lines to `out` with `prefix`; once `out`'s reader has gone away
+    (`| head`), calls `on_closed()` and reads on without writing, so that no child blocks on a
+    full pipe."""
+    writing = True
     for line in iter(stream.readline, ""):
-        out.write(prefix + line)
-        out.flush()
+        if writing:
+            try:
+                out.write(prefix + line)
+                out.flush()
+            except (BrokenPipeError, ValueError):  # ValueError: `out` was closed meanwhile
+                writing = False
+                on_closed()
     stream.close()
 
 
@@ -83,13 +96,22 @@ def run(num: int, devices: int, main_args: list[str], heartbeat: int = 10) -> in
     port = free_port()
     env = process_env(devices)
     children, pumps = [], []
+    pipe_closed = threading.Event()
+
+    def on_closed():  # a closed output pipe is a preemption: every process saves at one step
+        if not pipe_closed.is_set():
+            pipe_closed.set()
+            forward(signal.SIGTERM, None)
+
     for index, command in enumerate(commands(num, port, main_args, heartbeat)):
         child = subprocess.Popen(
             command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
         children.append(child)
         for stream, out in ((child.stdout, sys.stdout), (child.stderr, sys.stderr)):
-            pump = threading.Thread(target=_pump, args=(stream, out, f"[{index}] "), daemon=True)
+            pump = threading.Thread(
+                target=_pump, args=(stream, out, f"[{index}] ", on_closed), daemon=True
+            )
             pump.start()
             pumps.append(pump)
 
@@ -106,7 +128,25 @@ def run(num: int, devices: int, main_args: list[str], heartbeat: int = 10) -> in
             signal.signal(sig, handler)
         for pump in pumps:
             pump.join(timeout=5)
+    if pipe_closed.is_set():
+        return _said_pipe_closed(first_failure)
     return first_failure
+
+
+def _said_pipe_closed(failure: int) -> int:
+    """After the output pipe closed: one line on stderr (if it is still open), stdout pointed at
+    /dev/null (the interpreter's last flush would fail), exit status 141 unless a process
+    failed."""
+    with contextlib.suppress(OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    with contextlib.suppress(OSError, ValueError):
+        print(
+            "error: the output pipe closed (| head?): every process stopped as on a preemption "
+            "(a checkpoint saved at one step); rerun the same command to resume",
+            file=sys.stderr,
+            flush=True,
+        )
+    return failure or EXIT_PIPE_CLOSED
 
 
 def _wait(children: list[subprocess.Popen]) -> int:

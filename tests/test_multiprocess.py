@@ -3,6 +3,7 @@ a loopback coordinator) against one process with 8 devices; preemption and a los
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -322,3 +323,36 @@ def test_launch_flag_errors_are_one_line_status_2(capsys, argv, expected):
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.count("\n") == 1 and expected in err, err
     assert err.startswith("error: ") and "(python -m launch.local --help)" in err
+
+
+def test_the_launcher_stops_every_process_when_its_output_pipe_closes(monkeypatch, capsys):
+    """`launch.local ... | head`: its output thread died with a BrokenPipeError traceback, the
+    processes ran on unread, and the launcher exited with their status. Now a closed pipe is a
+    preemption (SIGTERM to every process: they save at one step), one line, exit 141."""
+    child = (
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\n"
+        "for i in range(3000):\n"
+        "    print(i, flush=True); time.sleep(0.01)\n"
+        "sys.exit(3)\n"  # ran to the end: the SIGTERM never came
+    )
+    monkeypatch.setattr(local, "commands", lambda num, *_: [[sys.executable, "-c", child]] * num)
+
+    class ClosedPipe:  # closes once both processes have printed (and so handle SIGTERM)
+        seen: set[str] = set()
+
+        def write(self, text):
+            self.seen.add(text[:3])
+            if len(self.seen) == 2:
+                raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            pass
+
+        def fileno(self):
+            raise io.UnsupportedOperation("fileno")
+
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    assert local.run(2, 1, ["--workdir=unused"]) == 141
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "output pipe closed" in err and "Traceback" not in err, err

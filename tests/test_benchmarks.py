@@ -153,7 +153,7 @@ def test_the_reproduce_jobs_benchmark_times_only_the_same_bytes(monkeypatch, cap
     walls = {1: 6.0, 2: 4.0}
     content = {1: b"same", 2: b"same"}
 
-    def fake_reproduce(workdir, scale, only, jobs):
+    def fake_reproduce(workdir, scale, only, jobs, cache=None):
         (workdir / "a").mkdir(parents=True)
         (workdir / "a" / "metrics.jsonl").write_bytes(content[jobs])
         times = {"a": {"scale": scale, "seconds": 3.0}, "b": {"scale": scale, "seconds": 5.0}}
@@ -165,6 +165,17 @@ def test_the_reproduce_jobs_benchmark_times_only_the_same_bytes(monkeypatch, cap
     out = capsys.readouterr().out
     assert "1 files, the same bytes" in out and "| --jobs=2                 | 4.0 s" in out, out
     assert "1.50x" in out and "--jobs=2: 4.0 s; experiments (s): b 5, a 3" in out
+    # --warm: a third command, on the --jobs command's cache, held to the same bytes.
+    caches = []
+    monkeypatch.setattr(
+        reproduce_jobs,
+        "run_reproduce",
+        lambda *args, cache=None: caches.append(cache) or fake_reproduce(*args),
+    )
+    reproduce_jobs.main(["--scale=tiny", "--warm"])
+    out = capsys.readouterr().out
+    assert caches[:2] == [None, None] and caches[2].name.startswith("jobs2_0_cache"), caches
+    assert "| --jobs=2, compilation cache filled | 4.0 s" in out, out
     content[2] = b"other"
     with pytest.raises(SystemExit, match=r"other bytes than one at a time: \['a/metrics.jsonl'\]"):
         reproduce_jobs.main(["--scale=tiny"])

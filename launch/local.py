@@ -96,12 +96,13 @@ def run(num: int, devices: int, main_args: list[str], heartbeat: int = 10) -> in
     port = free_port()
     env = process_env(devices)
     children, pumps = [], []
-    pipe_closed = threading.Event()
+    pipe_closed, closing = threading.Event(), threading.Lock()
 
     def on_closed():  # a closed output pipe is a preemption: every process saves at one step
-        if not pipe_closed.is_set():
-            pipe_closed.set()
-            forward(signal.SIGTERM, None)
+        with closing:  # stdout's and stderr's threads may both find it closed: one SIGTERM
+            if not pipe_closed.is_set():
+                pipe_closed.set()
+                forward(signal.SIGTERM, None)
 
     for index, command in enumerate(commands(num, port, main_args, heartbeat)):
         child = subprocess.Popen(

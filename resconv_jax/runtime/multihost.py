@@ -16,6 +16,7 @@ save at the same step); the Python SIGTERM handler is for single-process runs on
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import ipaddress
 import threading
@@ -197,6 +198,12 @@ class PeerWatchdog:
         self._beats += 1
         self._client.key_value_set(f"{self.PREFIX}/beat/{self._index}", str(self._beats), True)
 
+    def _say_stopping(self) -> None:
+        """Tells process 0, which keeps the coordinator up until every other process has read
+        its status, that this one has: else it waits its whole `lost_after` before it exits."""
+        with contextlib.suppress(Exception):  # the coordinator may be gone meanwhile
+            self._client.key_value_set(f"{self.PREFIX}/stops/{self._index}", "1", True)
+
     def _ended(self, peer: int) -> bool:
         """Whether `peer` said it ended, or that it stops because another process failed."""
         return any(
@@ -229,9 +236,7 @@ class PeerWatchdog:
                         continue
                     status, silent = self._status(peer)
                     if status not in (None, "0"):
-                        # Process 0 keeps the coordinator up until every other process has read
-                        # its status: say so, or it waits its whole `lost_after`.
-                        self._client.key_value_set(f"{self.PREFIX}/stops/{self._index}", "1", True)
+                        self._say_stopping()
                         self._on_lost(
                             f"process {peer} of {self._count} exited with status {status}: "
                             f"stopping process {self._index} (see process {peer}'s error line)"

@@ -98,6 +98,11 @@ def run(num: int, devices: int, main_args: list[str], heartbeat: int = 10) -> in
     children, pumps = [], []
     pipe_closed, closing = threading.Event(), threading.Lock()
 
+    def forward(signum, frame):
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
     def on_closed():  # a closed output pipe is a preemption: every process saves at one step
         with closing:  # stdout's and stderr's threads may both find it closed: one SIGTERM
             if not pipe_closed.is_set():
@@ -116,11 +121,6 @@ def run(num: int, devices: int, main_args: list[str], heartbeat: int = 10) -> in
             pump.start()
             pumps.append(pump)
 
-    def forward(signum, frame):
-        for child in children:
-            if child.poll() is None:
-                child.send_signal(signum)
-
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         first_failure = _wait(children)
@@ -138,8 +138,10 @@ def _said_pipe_closed(failure: int) -> int:
     """After the output pipe closed: one line on stderr (if it is still open), stdout pointed at
     /dev/null (the interpreter's last flush would fail), exit status 141 unless a process
     failed."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
     with contextlib.suppress(OSError, ValueError):
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
     with contextlib.suppress(OSError, ValueError):
         print(
             "error: the output pipe closed (| head?): every process stopped as on a preemption "
@@ -157,16 +159,17 @@ def _wait(children: list[subprocess.Popen]) -> int:
         for index, child in enumerate(children):
             if child.returncode not in (None, 0) and not failure:
                 failure = exit_status(child.returncode)
-                print(
-                    f"launch.local: process {index} exited with status {failure}; "
-                    "stopping the others",
-                    file=sys.stderr,
-                    flush=True,
-                )
                 for other in children:
                     if other.poll() is None:
                         other.terminate()
                 deadline = time.monotonic() + GRACE_SECONDS
+                with contextlib.suppress(OSError, ValueError):  # stderr may be a closed pipe
+                    print(
+                        f"launch.local: process {index} exited with status {failure}; "
+                        "stopping the others",
+                        file=sys.stderr,
+                        flush=True,
+                    )
         if deadline is not None and time.monotonic() > deadline:
             for child in children:
                 if child.poll() is None:

@@ -356,3 +356,36 @@ def test_the_launcher_stops_every_process_when_its_output_pipe_closes(monkeypatc
     assert local.run(2, 1, ["--workdir=unused"]) == 141
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "output pipe closed" in err and "Traceback" not in err, err
+
+
+def test_a_failed_process_after_the_pipe_closed_is_its_status_without_a_traceback(
+    monkeypatch, capsys
+):
+    """`launch.local ... 2>&1 | head`: stderr is the closed pipe too. A process that then failed
+    made the launcher's own line about it raise BrokenPipeError: a traceback, exit 1, and the
+    other processes left without their SIGKILL."""
+    # Both ignore the SIGTERM that the closed pipe sends; the first then fails, the second
+    # stays until its SIGKILL.
+    child = (
+        "import signal, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "print('x', flush=True)\ntime.sleep({})\nsys.exit(3)\n"
+    )
+    commands = [[sys.executable, "-c", child.format(seconds)] for seconds in (0.5, 60)]
+    monkeypatch.setattr(local, "commands", lambda *_: commands)
+    monkeypatch.setattr(local, "GRACE_SECONDS", 0.5)
+
+    class ClosedPipe:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            pass
+
+        def fileno(self):
+            raise io.UnsupportedOperation("fileno")
+
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    monkeypatch.setattr(sys, "stderr", ClosedPipe())
+    started = time.monotonic()
+    assert local.run(2, 1, ["--workdir=unused"]) == 3
+    assert time.monotonic() - started < 30  # the second one was killed, not waited for

@@ -109,7 +109,7 @@ def bench(scale: str, only: str, jobs: int, repeats: int, warm: bool = False) ->
         f"### reproduce --scale={scale}" + (f" --only={only}" if only else "") + "\n\n"
         f"{common.machine()}\n\n{repeats} repeat(s), order alternated; each command a fresh "
         "process, workdir and empty compilation cache"
-        + (" (the last row's: the cache the --jobs command filled)" if warm else "")
+        + (" (the last row's: the cache the --jobs command filled; it runs third)" if warm else "")
         + f"; load average {common.load_average()}; every metrics, summary and CSV file the same "
         "bytes in all.\n\n" + common.table(["case", "wall (median)", "repeats", "speedup"], rows)
     )

@@ -207,8 +207,10 @@ def main(argv: list[str]) -> None:
 def _pipe_closed() -> None:
     """A process whose stdout's reader went away (`| head`): one line on stderr, exit 141 (the
     other processes of a multi-process run are told, and exit 5)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
     with contextlib.suppress(OSError, ValueError):  # no more writes into the closed pipe
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
     with contextlib.suppress(OSError):
         print(
             "error: the output pipe closed (| head?): stopped; the last checkpoint and the "
@@ -250,9 +252,11 @@ def _quiet_stdout(print_here: bool) -> None:
     sys.stdout = open(kept, "w") if print_here else open(os.devnull, "w")  # noqa: SIM115
 
 
-def _on_lost_process(message: str) -> None:
+def _on_lost_process(message: str, last_words=None) -> None:
     with contextlib.suppress(OSError, ValueError):
         print(f"error: {message}", file=sys.stderr, flush=True)
+    if last_words is not None:
+        last_words()
     os._exit(EXIT_LOST_PROCESS)
 
 

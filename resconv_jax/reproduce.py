@@ -109,7 +109,7 @@ def selected(only: tuple[str, ...] = ()) -> tuple[Experiment, ...]:
     names = [experiment.name for experiment in everything]
     if unknown := [name for name in only if name not in names]:
         stands_in_for = {e.fallback.name: e.name for e in everything if e.fallback}
-        if unknown[0] in stands_in_for:  # a name REPORT.md's wall times give
+        if all(name in stands_in_for for name in unknown):  # names REPORT.md's wall times give
             parent = stands_in_for[unknown[0]]
             raise ValueError(
                 f"--only={unknown[0]}: that is {parent}'s stand-in, run when {parent} cannot be: "

@@ -141,8 +141,9 @@ def test_a_full_disk_is_status_4_and_the_rerun_completes(tmp_path):
 @pytest.mark.slow
 def test_a_closed_output_pipe_is_status_141_without_a_traceback_and_resumable(tmp_path):
     """`main ... | head -2`: a BrokenPipeError traceback and exit 1 ("a run diverged") before."""
-    # The pipe closes at the first line, seconds before the first step: 200 steps are plenty.
-    flags = ["--config.train.async_checkpoints=False"]
+    # The first line comes after compiling, as the steps start; 1000 steps (~5 s here) leave
+    # the test time to close the pipe before the run ends.
+    flags = ["--config.train.num_steps=1000", "--config.train.async_checkpoints=False"]
     process = main(f"--config={TINY}", f"--workdir={tmp_path}", *flags)
     process.stdout.readline()
     process.stdout.close()  # the reader goes away, as `head` does

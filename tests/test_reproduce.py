@@ -247,6 +247,8 @@ def test_only_names_known_experiments_and_keeps_the_readme_whole(tmp_path):
     # REPORT.md's wall times name the stand-in that ran (sst2_random): the error says what runs it.
     with pytest.raises(ValueError, match="--only=sst2_random: .*sst2's stand-in.*--only=sst2"):
         reproduce.selected(("sst2_random",))
+    with pytest.raises(ValueError, match="--only=sst2_random,nonsense: no such experiment"):
+        reproduce.selected(("sst2_random", "nonsense"))
     readme = tmp_path / "README.md"
     readme.write_text("<!-- claims table: start -->\n<!-- claims table: end -->\n")
     with pytest.raises(ValueError, match="--readme writes the whole claims table"):

@@ -152,9 +152,11 @@ class PeerWatchdog:
     Every process counts beats into the coordination service's key-value store each `interval`
     seconds; a daemon thread reads the others'. A process whose count has not changed for
     `lost_after` seconds on this process's clock, and that has not said it ended, is lost; one
-    that ended with a non-zero status stops the others too. Either way `on_lost(message)` is
-    called once, on the watchdog thread. `lost_after` is below JAX's own heartbeat timeout, which
-    would otherwise abort the process with a C++ stack trace.
+    that ended with a non-zero status stops the others too. Either way `on_lost(message,
+    last_words)` is called once, on the watchdog thread; `last_words` (None, or for a process
+    that ended: a callable) is to be called after the message is out and before this process
+    exits. `lost_after` is below JAX's own heartbeat timeout, which would otherwise abort the
+    process with a C++ stack trace.
     """
 
     PREFIX = "resconv_jax/peers"
@@ -200,7 +202,8 @@ class PeerWatchdog:
 
     def _say_stopping(self) -> None:
         """Tells process 0, which keeps the coordinator up until every other process has read
-        its status, that this one has: else it waits its whole `lost_after` before it exits."""
+        its status, that this one has: else it waits its whole `lost_after` before it exits.
+        The last thing this process does: once the coordinator is gone, JAX ends it."""
         with contextlib.suppress(Exception):  # the coordinator may be gone meanwhile
             self._client.key_value_set(f"{self.PREFIX}/stops/{self._index}", "1", True)
 
@@ -236,10 +239,10 @@ class PeerWatchdog:
                         continue
                     status, silent = self._status(peer)
                     if status not in (None, "0"):
-                        self._say_stopping()
                         self._on_lost(
                             f"process {peer} of {self._count} exited with status {status}: "
-                            f"stopping process {self._index} (see process {peer}'s error line)"
+                            f"stopping process {self._index} (see process {peer}'s error line)",
+                            self._say_stopping,
                         )
                         return
                     if status is None and silent > self._lost_after:

@@ -25,6 +25,8 @@ import sys
 import threading
 import time
 
+from resconv_jax.runtime.signals import discard_output
+
 GRACE_SECONDS = 10.0  # after the first failure, how long the others get before SIGKILL
 EXIT_PIPE_CLOSED = 141  # as main's and reproduce's: 128 + SIGPIPE
 
@@ -138,10 +140,7 @@ def _said_pipe_closed(failure: int) -> int:
     """After the output pipe closed: one line on stderr (if it is still open), stdout pointed at
     /dev/null (the interpreter's last flush would fail), exit status 141 unless a process
     failed."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    with contextlib.suppress(OSError, ValueError):
-        os.dup2(devnull, sys.stdout.fileno())
-    os.close(devnull)
+    discard_output(sys.stdout)
     with contextlib.suppress(OSError, ValueError):
         print(
             "error: the output pipe closed (| head?): every process stopped as on a preemption "

@@ -207,10 +207,7 @@ def main(argv: list[str]) -> None:
 def _pipe_closed() -> None:
     """A process whose stdout's reader went away (`| head`): one line on stderr, exit 141 (the
     other processes of a multi-process run are told, and exit 5)."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    with contextlib.suppress(OSError, ValueError):  # no more writes into the closed pipe
-        os.dup2(devnull, sys.stdout.fileno())
-    os.close(devnull)
+    signals.discard_output(sys.stdout)
     with contextlib.suppress(OSError):
         print(
             "error: the output pipe closed (| head?): stopped; the last checkpoint and the "

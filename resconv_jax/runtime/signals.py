@@ -84,12 +84,21 @@ def stop_when_output_closes() -> None:
 
 
 def _output_closed(stream) -> None:
-    with contextlib.suppress(OSError, ValueError):  # later writes, the exit's flush too, vanish
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, stream.fileno())
-        os.close(devnull)
+    discard_output(stream)
     _closed.set()
     _received.set()
+
+
+def discard_output(stream) -> None:
+    """Points `stream`'s file descriptor at /dev/null after its reader went away: later writes,
+    the interpreter's exit-time flush too, vanish instead of failing. Nothing for a stream
+    without one."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, stream.fileno())
+        finally:
+            os.close(devnull)
 
 
 def output_closed() -> bool:

@@ -331,6 +331,25 @@ def test_launch_flag_errors_are_one_line_status_2(capsys, argv, expected):
     assert err.startswith("error: ") and "(python -m launch.local --help)" in err
 
 
+class ClosedPipe:
+    """The launcher's stdout or stderr after its reader went away (`| head`): every write fails,
+    once lines of `after_processes` processes ("[0] ", "[1] ", ...) have been written."""
+
+    def __init__(self, after_processes: int = 0):
+        self.after_processes, self.seen = after_processes, set()
+
+    def write(self, text):
+        self.seen.add(text[:3])
+        if len(self.seen) >= self.after_processes:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self):
+        pass
+
+    def fileno(self):
+        raise io.UnsupportedOperation("fileno")
+
+
 def test_the_launcher_stops_every_process_when_its_output_pipe_closes(monkeypatch, capsys):
     """`launch.local ... | head`: its output thread died with a BrokenPipeError traceback, the
     processes ran on unread, and the launcher exited with their status. Now a closed pipe is a
@@ -344,21 +363,8 @@ def test_the_launcher_stops_every_process_when_its_output_pipe_closes(monkeypatc
     )
     monkeypatch.setattr(local, "commands", lambda num, *_: [[sys.executable, "-c", child]] * num)
 
-    class ClosedPipe:  # closes once both processes have printed (and so handle SIGTERM)
-        seen: set[str] = set()
-
-        def write(self, text):
-            self.seen.add(text[:3])
-            if len(self.seen) == 2:
-                raise BrokenPipeError(32, "Broken pipe")
-
-        def flush(self):
-            pass
-
-        def fileno(self):
-            raise io.UnsupportedOperation("fileno")
-
-    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    # It closes once both processes have printed (and so handle SIGTERM).
+    monkeypatch.setattr(sys, "stdout", ClosedPipe(after_processes=2))
     assert local.run(2, 1, ["--workdir=unused"]) == 141
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "output pipe closed" in err and "Traceback" not in err, err
@@ -379,16 +385,6 @@ def test_a_failed_process_after_the_pipe_closed_is_its_status_without_a_tracebac
     commands = [[sys.executable, "-c", child.format(seconds)] for seconds in (0.5, 60)]
     monkeypatch.setattr(local, "commands", lambda *_: commands)
     monkeypatch.setattr(local, "GRACE_SECONDS", 0.5)
-
-    class ClosedPipe:
-        def write(self, text):
-            raise BrokenPipeError(32, "Broken pipe")
-
-        def flush(self):
-            pass
-
-        def fileno(self):
-            raise io.UnsupportedOperation("fileno")
 
     monkeypatch.setattr(sys, "stdout", ClosedPipe())
     monkeypatch.setattr(sys, "stderr", ClosedPipe())

@@ -371,23 +371,30 @@ def test_the_launcher_stops_every_process_when_its_output_pipe_closes(monkeypatc
 
 
 def test_a_failed_process_after_the_pipe_closed_is_its_status_without_a_traceback(
-    monkeypatch, capsys
+    monkeypatch, capsys, tmp_path
 ):
     """`launch.local ... 2>&1 | head`: stderr is the closed pipe too. A process that then failed
     made the launcher's own line about it raise BrokenPipeError: a traceback, exit 1, and the
     other processes left without their SIGKILL."""
-    # Both ignore the SIGTERM that the closed pipe sends; the first then fails, the second
+    # Both ignore the SIGTERM that the closed pipe sends, and print only once they do (the pipe
+    # closes after both have printed); the first fails once the second is ready, the second
     # stays until its SIGKILL.
-    child = (
-        "import signal, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-        "print('x', flush=True)\ntime.sleep({})\nsys.exit(3)\n"
+    ready = tmp_path / "ready"
+    first = (
+        "import os, signal, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        f"print('x', flush=True)\nwhile not os.path.exists({str(ready)!r}): time.sleep(0.01)\n"
+        "time.sleep(0.5)\nsys.exit(3)\n"
     )
-    commands = [[sys.executable, "-c", child.format(seconds)] for seconds in (0.5, 60)]
+    second = (
+        "import pathlib, signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        f"print('x', flush=True)\npathlib.Path({str(ready)!r}).touch()\ntime.sleep(60)\n"
+    )
+    commands = [[sys.executable, "-c", code] for code in (first, second)]
     monkeypatch.setattr(local, "commands", lambda *_: commands)
     monkeypatch.setattr(local, "GRACE_SECONDS", 0.5)
 
-    monkeypatch.setattr(sys, "stdout", ClosedPipe())
-    monkeypatch.setattr(sys, "stderr", ClosedPipe())
+    monkeypatch.setattr(sys, "stdout", ClosedPipe(after_processes=2))
+    monkeypatch.setattr(sys, "stderr", ClosedPipe(after_processes=2))
     started = time.monotonic()
     assert local.run(2, 1, ["--workdir=unused"]) == 3
     assert time.monotonic() - started < 30  # the second one was killed, not waited for

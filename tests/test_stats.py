@@ -42,6 +42,22 @@ def test_tau_b_by_levels_equals_the_pairwise_signs_to_the_bit(monkeypatch):
         np.testing.assert_array_equal(st.tau_b(x, y), expected)
 
 
+def test_tau_b_from_the_pairs_above_the_diagonal_is_the_full_sign_sum_to_the_bit():
+    """τ-b from the pairs i < j, one i at a time, equals Σ over the whole (K, n, n) array of
+    signs (the formula before): ties, a constant row, a NaN in x."""
+    rng = np.random.default_rng(6)
+    x = rng.integers(0, 5, (500, 15)).astype(float)
+    x[0], x[1, 2] = 1.0, np.nan
+    y = rng.standard_normal(15)
+    y[3] = y[4]
+    dy = np.sign(y[:, None] - y[None, :])
+    dx = np.sign(x[:, :, None] - x[:, None, :])
+    untied = np.count_nonzero(dx, axis=(1, 2)) * float(np.count_nonzero(dy))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        full = np.where(untied > 0, np.einsum("kij,ij->k", dx, dy) / np.sqrt(untied), np.nan)
+    np.testing.assert_array_equal(st.tau_b(x, y), full)
+
+
 def test_tau_b_of_a_constant_is_undefined_as_in_scipy_and_so_is_its_test():
     x, y = np.array([[0.0, 0.5, 1.0, 0.0, 0.5, 1.0]]), np.full(6, 300.0)
     assert math.isnan(stats.kendalltau(x[0], y).statistic)

@@ -7,7 +7,8 @@ Each process gets its own CPU device count, the coordinator runs in process 0 on
 port, bound to loopback only), and every line a process prints is prefixed with its index
 ("[1] ..."). SIGTERM and SIGINT are forwarded to every process (a SIGTERM is a pod preemption:
 all of them save at the same step and exit 0). When a process fails, the others are stopped and
-the launcher exits with the first failure's status (128 + N for a process killed by signal N).
+the launcher exits with the first failure's status (128 + N for a process killed by signal N),
+or with the cause's when the first to fail was only stopped by another (main's status 5).
 When the launcher's own output pipe closes (`| head`), every process is stopped as on a
 preemption, and the launcher says so in one line and exits 141.
 """
@@ -29,6 +30,7 @@ from resconv_jax.runtime.signals import discard_output
 
 GRACE_SECONDS = 10.0  # after the first failure, how long the others get before SIGKILL
 EXIT_PIPE_CLOSED = 141  # as main's and reproduce's: 128 + SIGPIPE
+EXIT_STOPPED_BY_ANOTHER = 5  # main's status for a process stopped by another's failure or loss
 
 
 def free_port() -> int:
@@ -174,9 +176,10 @@ def _wait(children: list[subprocess.Popen]) -> int:
                 if child.poll() is None:
                     child.kill()
         time.sleep(0.05)
-    if not failure:
-        failure = next((exit_status(c.returncode) for c in children if c.returncode), 0)
-    return failure
+    statuses = [exit_status(c.returncode) for c in children]
+    if failure in (0, EXIT_STOPPED_BY_ANOTHER):  # the cause, if another process had one
+        failure = next((s for s in statuses if s not in (0, EXIT_STOPPED_BY_ANOTHER)), failure)
+    return failure or next((s for s in statuses if s), 0)
 
 
 class _OneLineErrors(argparse.ArgumentParser):

@@ -30,11 +30,12 @@ import traceback
 
 from resconv_jax.runtime import signals
 
-# Seen from the first moment: a SIGTERM during the imports below stops the run before it starts.
-# (A multi-process run hands SIGTERM back to JAX's preemption notifier once the flags are read.)
-signals.install()
 if __name__ == "__main__":  # until main() starts: Ctrl-C is one line, not a traceback
     signals.exit_on_interrupt()
+# Seen from the first moment: a SIGTERM during the imports below stops the run before it starts.
+# (A multi-process run hands SIGTERM back to JAX's preemption notifier once the flags are read.)
+# Second, so that a process that handles SIGTERM handles Ctrl-C too (the tests wait for that).
+signals.install()
 # Threaded OpenBLAS inside XLA's own CPU threads slows LAPACK (the probe's QR) ~30x; set first.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 # The imports make objects that live as long as the process: no garbage collection while they

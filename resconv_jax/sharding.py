@@ -20,6 +20,16 @@ from resconv_jax.errors import ConfigError
 
 def make_mesh(num_runs: int, num_samples: int, mesh_cfg) -> Mesh:
     """A (sweep, data) mesh; a size of 0 in `mesh_cfg` picks the largest size that divides."""
+    sweep, data = mesh_shape(num_runs, num_samples, mesh_cfg)
+    devices = np.asarray(jax.devices()[: sweep * data])
+    return jax.make_mesh(
+        (sweep, data), ("sweep", "data"), (AxisType.Auto, AxisType.Auto), devices=devices
+    )
+
+
+def mesh_shape(num_runs: int, num_samples: int, mesh_cfg) -> tuple[int, int]:
+    """(sweep, data) of `make_mesh`'s mesh, from the config and the device count alone; raises
+    ConfigError (one line) for a mesh that cannot be built."""
     num_devices = jax.device_count()
     sweep = mesh_cfg.sweep or math.gcd(num_runs, num_devices)
     data = mesh_cfg.data or math.gcd(num_samples, num_devices // sweep)
@@ -35,10 +45,7 @@ def make_mesh(num_runs: int, num_samples: int, mesh_cfg) -> Mesh:
             f"{jax.process_count()} processes: a multi-process run needs every device in its mesh; "
             f"set config.mesh.sweep and config.mesh.data so that sweep x data = {num_devices}"
         )
-    devices = np.asarray(jax.devices()[: sweep * data])
-    return jax.make_mesh(
-        (sweep, data), ("sweep", "data"), (AxisType.Auto, AxisType.Auto), devices=devices
-    )
+    return sweep, data
 
 
 def run_sharding(mesh: Mesh) -> NamedSharding:

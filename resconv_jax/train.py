@@ -183,6 +183,9 @@ def run(config, workdir: str) -> list[dict]:
         dataset = None if config.sweep.dim else load_dataset(config)
         if shapes is None:
             _check_model_size(config, _data_shapes(dataset), groups)
+        if dataset is not None:  # every process refuses a bad mesh before process 0 locks
+            for _, runs in groups:
+                sharding.mesh_shape(len(runs), dataset.num_train, config.mesh)
         _stop_before_training("loading the data")
         created = not wd.path(workdir).exists()
         lock = WorkdirLock(workdir)

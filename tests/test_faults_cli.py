@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+from signal_ready import wait_until_caught
 
 from resconv_jax.runtime.metrics import METRICS_FILE
 from resconv_jax.runtime.workdir import WorkdirLock
@@ -77,7 +78,9 @@ def test_a_locked_workdir_is_status_3_naming_the_holder(tmp_path):
 def test_sigterm_during_start_up_exits_0_having_trained_nothing(tmp_path):
     workdir = tmp_path / "w"
     process = main(f"--config={TINY}", f"--workdir={workdir}")
-    time.sleep(0.3)  # still importing JAX
+    # Once its handler is there (it still imports JAX then); at 0.3 s, the same on a loaded
+    # machine could come before it and kill the process.
+    wait_until_caught(process, signal.SIGTERM)
     process.send_signal(signal.SIGTERM)
     status, out, err = finish(process)
     assert status == 0, err
@@ -223,7 +226,8 @@ def test_a_failed_first_checkpoint_save_exits_4_promptly(tmp_path):
     Orbax's threads after its one line."""
     tmp_path.joinpath("checkpoints").write_text("")
     flags = ["--config.train.num_steps=40"]
-    status, _, err = finish(main(f"--config={TINY}", f"--workdir={tmp_path}", *flags), timeout=60)
+    process = main(f"--config={TINY}", f"--workdir={tmp_path}", *flags)
+    status, _, err = finish(process, timeout=180)  # a hang is forever; a loaded start-up is not
     assert status == 4, err
     assert err.strip().splitlines() == [err.strip()]
     assert "cannot save the checkpoint of step" in err and "Not a directory" in err

@@ -6,10 +6,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
+from signal_ready import wait_until_caught
 
 from resconv_jax import main as main_module
 from resconv_jax.errors import ConfigError, WorkdirWriteError
@@ -92,7 +92,9 @@ def test_ctrl_c_during_the_imports_is_one_line_and_status_130(tmp_path):
          f"--workdir={tmp_path / 'w'}"],
         cwd=os.path.join(os.path.dirname(__file__), ".."), stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    time.sleep(0.5)  # the imports take seconds
+    # During the imports (they take seconds), once main's handlers are there: SIGTERM's is put
+    # in after Ctrl-C's. A fixed 0.5 s could be before them on a loaded machine.
+    wait_until_caught(process, signal.SIGTERM)
     process.send_signal(signal.SIGINT)
     _, err = process.communicate(timeout=60)
     assert process.returncode == 130 and err.count("\n") == 1, err

@@ -102,6 +102,27 @@ def test_a_refused_start_adds_no_checkpoints_folder(tmp_path):
     assert not os.path.exists(os.path.join(workdir, "checkpoints"))
 
 
+@pytest.mark.parametrize("sweep", [False, True])
+def test_a_mesh_that_cannot_be_built_is_refused_before_the_workdir_is_locked(
+    tmp_path, monkeypatch, sweep
+):
+    """A mesh that does not divide the runs was refused only after process 0 had created and
+    locked the workdir. In a multi-process run the other process, refusing the same mesh a
+    moment earlier, could stop process 0 through its watchdog first, and the new workdir was
+    left behind; now every process refuses before anything is created."""
+
+    def locked(*_):
+        raise AssertionError("the workdir was locked before the mesh was checked")
+
+    monkeypatch.setattr(train, "lock_on_process_0", locked)
+    overrides = {"mesh.sweep": 4}  # 2 runs (of each depth)
+    if sweep:
+        overrides |= {"sweep.num_layers": (1, 2)}
+    with pytest.raises(ConfigError, match="config.mesh.sweep=4 does not divide the 2 runs"):
+        train.run(tiny(**overrides), str(tmp_path / "w"))
+    assert not (tmp_path / "w").exists()
+
+
 def test_a_corrupt_config_json_is_not_finished_under_jobs(tmp_path):
     """`reproduce --jobs` asks every experiment whether it finished before starting workers:
     an unreadable config.json is "not finished" there (the run then says why, in one line),

@@ -364,11 +364,13 @@ def offline(monkeypatch, on: bool) -> None:
 
 
 def hub_error_in_seconds(repo_id: str) -> str:
-    """The one-line WeightsError message of loading `repo_id`, which must come within 10 s."""
+    """The one-line WeightsError message of loading `repo_id`, which must come within 20 s (a
+    hub that never answers held it 30 s and more before; the hub's own imports and 3 s waits
+    take 7-10 s on a loaded machine)."""
     start = time.monotonic()
     with pytest.raises(weights.WeightsError) as error:
         weights.load_gpt2(repo_id, num_layers=1, num_classes=2, seed=0)
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 20
     message = str(error.value)
     assert "\n" not in message and weights.FOLDER_OPTION in message
     return message

@@ -315,7 +315,7 @@ def test_create_waits_until_active(env):
     assert kinds[1] == "create" and "--spot" in log[1]["argv"]
     assert kinds[2:] == ["describe"] * 4
     assert [c["state"] for c in log[2:]] == ["WAITING_FOR_RESOURCES"] * 3 + ["ACTIVE"]
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 30  # the fake's polls, not real minutes
 
 
 def test_create_fails_in_one_line_when_the_queued_resource_fails(env):
@@ -339,8 +339,8 @@ def test_babysit_recreates_a_preempted_pod_and_resumes_until_finished(env):
     before, first_command = _bring_up_and_run(env)
     assert "--worker=all" in calls(env)[before - 1]["argv"]
     start = time.monotonic()
-    result = tpu(env, "babysit", "--spot", "--", *MAIN_FLAGS, timeout=60)
-    assert time.monotonic() - start < 20
+    result = tpu(env, "babysit", "--spot", "--", *MAIN_FLAGS, timeout=120)
+    assert time.monotonic() - start < 60  # the fake's polls, not real minutes
     assert "finished" in result.stderr
     log = calls(env)[before:]
     kinds = [c["kind"] for c in log]

@@ -252,15 +252,19 @@ def test_a_mesh_that_leaves_devices_out_is_refused_in_one_line_per_process(tmp_p
         index: [e for e in result.stderr.splitlines() if e.startswith(f"[{index}] error:")]
         for index in range(2)
     }
-    assert len(errors[0]) == 1 and "needs every device in its mesh" in errors[0][0], result.stderr
-    # Process 1 finds the same mesh and says so, unless process 0's exit reached it first (its
-    # watchdog then points at process 0's line): one line either way.
-    assert len(errors[1]) == 1, result.stderr
-    assert "needs every device in its mesh" in errors[1][0] or (
-        "process 0 of 2 exited with status 2" in errors[1][0]
-        and "see process 0's error line" in errors[1][0]
-    ), result.stderr
-    assert not workdir.exists()
+    # Each process finds the same mesh and says so, unless the other's exit reached it first
+    # (its watchdog then points at the other's line): one line each either way, and the launcher
+    # exits with the refusal's status, not with the stopped process's 5.
+    refusal = "needs every device in its mesh"
+    said = [len(errors[i]) == 1 and refusal in errors[i][0] for i in (0, 1)]
+    assert any(said), result.stderr
+    for index, other in ((0, 1), (1, 0)):
+        assert len(errors[index]) == 1, result.stderr
+        assert said[index] or (
+            f"process {other} of 2 exited with status 2" in errors[index][0]
+            and f"see process {other}'s error line" in errors[index][0]
+        ), result.stderr
+    assert not workdir.exists()  # refused before process 0 created it
 
 
 @pytest.mark.parametrize(
@@ -398,3 +402,23 @@ def test_a_failed_process_after_the_pipe_closed_is_its_status_without_a_tracebac
     started = time.monotonic()
     assert local.run(2, 1, ["--workdir=unused"]) == 3
     assert time.monotonic() - started < 30  # the second one was killed, not waited for
+
+
+def test_the_launcher_exits_with_the_cause_not_with_the_status_of_a_process_it_stopped(
+    monkeypatch, tmp_path
+):
+    """Process 1 refused the run (status 2), and process 0's watchdog, seeing that first,
+    stopped process 0 with status 5 before process 0 reached the same refusal: the launcher
+    exited 5, "stopped by another", for a bad flag."""
+    ready = tmp_path / "ready"
+    stopped = (
+        f"import os, sys, time\nwhile not os.path.exists({str(ready)!r}): time.sleep(0.01)\n"
+        "sys.exit(5)\n"
+    )
+    cause = (  # as main does under JAX's SIGTERM handler: the launcher's SIGTERM changes nothing
+        "import pathlib, signal, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        f"pathlib.Path({str(ready)!r}).touch()\ntime.sleep(0.5)\nsys.exit(2)\n"
+    )
+    commands = [[sys.executable, "-c", code] for code in (stopped, cause)]
+    monkeypatch.setattr(local, "commands", lambda *_: commands)
+    assert local.run(2, 1, ["--workdir=unused"]) == 2

@@ -47,7 +47,7 @@ def test_reproduce_tiny_writes_every_claim_and_knows_its_runs_finished(tmp_path)
     env = local.process_env(
         1, os.environ | {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
     )
-    first = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    first = subprocess.run(command, capture_output=True, text=True, timeout=1200, env=env)
     assert first.returncode == 0, first.stderr[-2000:]
     written = (tmp_path / "REPORT.md").read_text()
     for claim in ("1. linear", "2. rate", "3. residual", "certificate (smooth", "4. multi-layer",

@@ -48,7 +48,7 @@ def outputs(folder: Path) -> dict[str, bytes]:
     return {str(path.relative_to(folder)): path.read_bytes() for path in files}
 
 
-def when_training(root: Path, names: list[str], then, timeout: float = 120.0) -> threading.Thread:
+def when_training(root: Path, names: list[str], then, timeout: float = 300.0) -> threading.Thread:
     """Calls then({name: worker pid}) once every experiment of `names` printed a training
     line to its log (in a thread, so the caller can block in run_all)."""
 
@@ -128,7 +128,12 @@ def test_a_ctrl_c_while_the_workers_start_stops_them_at_a_safe_point(tmp_path, c
     chosen = [experiment(tmp_path, name, **{"train.num_steps": LONG}) for name in ("a", "b")]
 
     def ctrl_c_once_started():
-        while len(multiprocessing.active_children()) < 2:
+        # Both started, and out of `signals.ignored_by_children` (which ignores SIGINT in this
+        # process too while a worker starts: a Ctrl-C then, taken by this thread, was lost).
+        while (
+            len(multiprocessing.active_children()) < 2
+            or signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        ):
             time.sleep(0.01)
         _ctrl_c({c.name: c.pid for c in multiprocessing.active_children()})
 

@@ -193,8 +193,10 @@ class PeerWatchdog:
 
     def wait_for_loss(self) -> None:
         """After an error that a lost process could explain (a collective that failed), keeps
-        watching long enough for `on_lost` to be called if a process is indeed gone."""
-        self._thread.join(self._lost_after + 2 * self._interval)
+        watching long enough for `on_lost` to be called if a process is indeed gone: a peer's
+        last beat is seen up to a tick after it was written, and its silence counted from then;
+        two ticks more of slack for a loaded machine."""
+        self._thread.join(self._lost_after + 4 * self._interval)
 
     def _beat(self) -> None:
         self._beats += 1
@@ -226,12 +228,15 @@ class PeerWatchdog:
         if (status := self._try_get(f"{self.PREFIX}/done/{peer}")) is not None:
             return status, 0.0
         beat, now = self._try_get(f"{self.PREFIX}/beat/{peer}"), time.monotonic()
-        if beat != self._seen.get(peer, (None,))[0]:
+        if peer not in self._seen or beat != self._seen[peer][0]:  # a first look counts as a beat
             self._seen[peer] = (beat, now)
         return None, now - self._seen[peer][1]
 
     def _watch(self) -> None:
-        while not self._stop.wait(self._interval):
+        # Ticks on a fixed grid: a tick's own time (key-value calls, a loaded machine) does not
+        # push the next ones later, so `lost_after` holds on the wall clock.
+        tick = time.monotonic()
+        while not self._stop.wait(max(0.0, (tick := tick + self._interval) - time.monotonic())):
             try:
                 self._beat()
                 for peer in range(self._count):

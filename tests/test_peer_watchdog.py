@@ -48,9 +48,11 @@ def test_a_silent_process_is_lost_after_lost_after_seconds(service):
     lost = []
     watchdog = multihost.PeerWatchdog(lambda message, *_: lost.append(message), 0.5, 0.05)
     started = time.monotonic()
-    watchdog.start().wait_for_loss()
-    assert len(lost) == 1 and "process 1 of 2 stopped responding" in lost[0], lost
+    watchdog.start()
+    while not lost and time.monotonic() - started < 30:
+        time.sleep(0.01)
     assert time.monotonic() - started >= 0.5
+    assert len(lost) == 1 and "process 1 of 2 stopped responding" in lost[0], lost
 
 
 def test_a_process_that_failed_stops_this_one_and_gets_its_last_words(service):
@@ -68,11 +70,11 @@ def test_ticks_keep_their_schedule_when_each_tick_takes_time(service):
     """Each tick reads and writes the store (3 calls here). Its ticks drifted by that much
     each: a peer's silence was counted late, and a process that waited `lost_after` + 2 ticks
     for the watchdog to name a lost peer gave up first, with a traceback instead of the line."""
-    service.cost = 0.015  # 45 ms of calls per 50 ms tick
-    watchdog = multihost.PeerWatchdog(lambda *_: None, 100.0, 0.05).start()
+    service.cost = 0.02  # 60 ms of calls per 100 ms tick
+    watchdog = multihost.PeerWatchdog(lambda *_: None, 100.0, 0.1).start()
     started = time.monotonic()
     time.sleep(1.5)
     watchdog.finish(0)
     elapsed = time.monotonic() - started
     beats = int(service.values[f"{multihost.PeerWatchdog.PREFIX}/beat/0"])
-    assert beats >= 0.75 * elapsed / 0.05, (beats, elapsed)  # drifting: ~0.55 of them
+    assert beats >= 0.8 * elapsed / 0.1, (beats, elapsed)  # drifting: ~0.63 of them

@@ -8,7 +8,8 @@ port, bound to loopback only), and every line a process prints is prefixed with 
 ("[1] ..."). SIGTERM and SIGINT are forwarded to every process (a SIGTERM is a pod preemption:
 all of them save at the same step and exit 0). When a process fails, the others are stopped and
 the launcher exits with the first failure's status (128 + N for a process killed by signal N),
-or with the cause's when the first to fail was only stopped by another (main's status 5).
+or with the cause's when the first to fail was only stopped by another (main's status 5) and
+another process reported its own failure.
 When the launcher's own output pipe closes (`| head`), every process is stopped as on a
 preemption, and the launcher says so in one line and exits 141.
 """
@@ -177,9 +178,16 @@ def _wait(children: list[subprocess.Popen]) -> int:
                     child.kill()
         time.sleep(0.05)
     statuses = [exit_status(c.returncode) for c in children]
-    if failure in (0, EXIT_STOPPED_BY_ANOTHER):  # the cause, if another process had one
-        failure = next((s for s in statuses if s not in (0, EXIT_STOPPED_BY_ANOTHER)), failure)
+    if failure in (0, EXIT_STOPPED_BY_ANOTHER):  # the cause, if another process said one
+        failure = next((s for s in statuses if _said_by_itself(s)), failure)
     return failure or next((s for s in statuses if s), 0)
+
+
+def _said_by_itself(status: int) -> bool:
+    """A failure a process reported itself (an exit status it chose, Ctrl-C's 130, a closed
+    pipe's 141), not main's 5 for "stopped by another" nor a signal that the stopping sent
+    (SIGTERM, SIGKILL, JAX's abort once the coordinator is gone)."""
+    return (0 < status < 128 and status != EXIT_STOPPED_BY_ANOTHER) or status in (130, 141)
 
 
 class _OneLineErrors(argparse.ArgumentParser):

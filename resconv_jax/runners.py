@@ -9,6 +9,7 @@ steps, losses and parameters are the same either way.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -23,12 +24,13 @@ from resconv_jax.runtime import memory
 CPU_CHUNK_BYTES = 8 << 20
 
 
-def check_runs_per_chunk(requested: int, mesh: jax.sharding.Mesh) -> int:
-    """train.runs_per_chunk checked against the mesh; -1 (automatic) resolves to 0 here."""
-    if requested > 0 and mesh.size > 1:
+def check_runs_per_chunk(requested: int, mesh_shape: dict[str, int]) -> int:
+    """train.runs_per_chunk checked against the mesh's {"sweep": n, "data": m}; -1 (automatic)
+    resolves to 0 here."""
+    if requested > 0 and math.prod(mesh_shape.values()) > 1:
         raise ConfigError(
             f"config.train.runs_per_chunk={requested} needs a 1-device mesh (this one is "
-            f"{dict(mesh.shape)}); use 0 to step all runs together"
+            f"{mesh_shape}); use 0 to step all runs together"
         )
     return max(requested, 0)
 
@@ -77,7 +79,7 @@ class ChunkRunners:
         )
         self.probe_every = probe_every if probe_fn is not None else 0
         num_runs = jax.tree.leaves(args[1])[0].shape[0]
-        chunk = check_runs_per_chunk(runs_per_chunk, mesh)
+        chunk = check_runs_per_chunk(runs_per_chunk, dict(mesh.shape))
         self.runs_per_chunk = chunk if chunk < num_runs else 0  # 0: all runs together
         self._compile = functools.partial(self._compile_chunk, make_fns, log_every, mesh, args)
         self._with_probe = self._compile(probe_fn)

@@ -3,6 +3,7 @@ during the interpreter's start-up, before the handler exists, kills the process 
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import time
@@ -17,8 +18,14 @@ def caught(pid: int, signum: int) -> bool:
     return False
 
 
-def wait_until_caught(process: subprocess.Popen, signum: int = signal.SIGTERM, timeout=120):
-    """Returns once `process` handles `signum`; AssertionError if it exited or took `timeout` s."""
+def wait_until_caught(
+    process: subprocess.Popen, signum: int = signal.SIGTERM, timeout: float = 120.0
+) -> None:
+    """Returns once `process` handles `signum`; AssertionError if it exited or took `timeout` s.
+    Without /proc (macOS): after a second, which a quiet machine's start-up needs."""
+    if not os.path.exists(f"/proc/{process.pid}/status"):
+        time.sleep(1.0)
+        return
     deadline = time.monotonic() + timeout
     while process.poll() is None and time.monotonic() < deadline:
         if caught(process.pid, signum):

@@ -102,9 +102,20 @@ def test_a_refused_start_adds_no_checkpoints_folder(tmp_path):
     assert not os.path.exists(os.path.join(workdir, "checkpoints"))
 
 
-@pytest.mark.parametrize("sweep", [False, True])
+NOT_DIVIDED = "config.mesh.sweep=4 does not divide the 2 runs"
+
+
+@pytest.mark.parametrize(
+    "overrides, refusal",
+    [
+        ({"mesh.sweep": 4}, NOT_DIVIDED),  # 2 runs
+        ({"mesh.sweep": 4, "sweep.num_layers": (1, 2)}, NOT_DIVIDED),  # 2 runs of each depth
+        ({"mesh.sweep": 4, "sweep.dim": (4, 8)}, NOT_DIVIDED),  # data drawn per width, later
+        ({"train.runs_per_chunk": 1}, "runs_per_chunk=1 needs a 1-device mesh"),
+    ],
+)
 def test_a_mesh_that_cannot_be_built_is_refused_before_the_workdir_is_locked(
-    tmp_path, monkeypatch, sweep
+    tmp_path, monkeypatch, overrides, refusal
 ):
     """A mesh that does not divide the runs was refused only after process 0 had created and
     locked the workdir. In a multi-process run the other process, refusing the same mesh a
@@ -115,10 +126,7 @@ def test_a_mesh_that_cannot_be_built_is_refused_before_the_workdir_is_locked(
         raise AssertionError("the workdir was locked before the mesh was checked")
 
     monkeypatch.setattr(train, "lock_on_process_0", locked)
-    overrides = {"mesh.sweep": 4}  # 2 runs (of each depth)
-    if sweep:
-        overrides |= {"sweep.num_layers": (1, 2)}
-    with pytest.raises(ConfigError, match="config.mesh.sweep=4 does not divide the 2 runs"):
+    with pytest.raises(ConfigError, match=refusal):
         train.run(tiny(**overrides), str(tmp_path / "w"))
     assert not (tmp_path / "w").exists()
 

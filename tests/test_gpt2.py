@@ -440,11 +440,11 @@ def test_random_is_gpt2_small_by_default(monkeypatch):
     def shapes_only(cfg, seed):  # drawing GPT-2 small's 40M numbers took 5 s of the test
         built = {}
 
-        def params():
+        def drawn():
             built["graphdef"], params = init(cfg, seed)
             return params
 
-        shapes = jax.eval_shape(params)
+        shapes = jax.eval_shape(drawn)
         return built["graphdef"], shapes
 
     monkeypatch.setattr(gpt2, "init_params", shapes_only)

@@ -398,7 +398,7 @@ def test_a_failed_process_after_the_pipe_closed_is_its_status_without_a_tracebac
     monkeypatch.setattr(local, "GRACE_SECONDS", 0.5)
 
     monkeypatch.setattr(sys, "stdout", ClosedPipe(after_processes=2))
-    monkeypatch.setattr(sys, "stderr", ClosedPipe(after_processes=2))
+    monkeypatch.setattr(sys, "stderr", ClosedPipe())
     started = time.monotonic()
     assert local.run(2, 1, ["--workdir=unused"]) == 3
     assert time.monotonic() - started < 30  # the second one was killed, not waited for
@@ -422,3 +422,21 @@ def test_the_launcher_exits_with_the_cause_not_with_the_status_of_a_process_it_s
     commands = [[sys.executable, "-c", code] for code in (stopped, cause)]
     monkeypatch.setattr(local, "commands", lambda *_: commands)
     assert local.run(2, 1, ["--workdir=unused"]) == 2
+
+
+def test_a_process_the_launcher_had_to_kill_is_not_the_cause(monkeypatch, tmp_path):
+    """Process 0 stopped (status 5: process 1 stopped responding); process 1, hung, ends by the
+    launcher's SIGKILL (137). The run's status stays 5, the documented one for a lost process."""
+    ready = tmp_path / "ready"
+    stopped = (
+        f"import os, sys, time\nwhile not os.path.exists({str(ready)!r}): time.sleep(0.01)\n"
+        "sys.exit(5)\n"
+    )
+    hung = (
+        "import pathlib, signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        f"pathlib.Path({str(ready)!r}).touch()\ntime.sleep(60)\n"
+    )
+    commands = [[sys.executable, "-c", code] for code in (stopped, hung)]
+    monkeypatch.setattr(local, "commands", lambda *_: commands)
+    monkeypatch.setattr(local, "GRACE_SECONDS", 0.5)
+    assert local.run(2, 1, ["--workdir=unused"]) == 5

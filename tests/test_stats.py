@@ -20,6 +20,22 @@ def test_tau_b_with_ties_equals_scipy():
     np.testing.assert_allclose(st.pooled_tau(x, y), expected, atol=1e-12)
 
 
+@pytest.mark.parametrize("by_levels", [False, True])
+def test_tau_b_with_an_infinite_value_is_scipys(monkeypatch, by_levels):
+    """inf - inf on the diagonal of the sign matrices made τ-b NaN (x infinite) or gave it a
+    wrong count of untied pairs (y infinite)."""
+    if by_levels:
+        monkeypatch.setattr(st, "LEVELS_MIN_RUNS", 0)
+        monkeypatch.setattr(st, "LEVELS_MIN_PAIRS", 0)
+    rng = np.random.default_rng(7)
+    x, y = rng.integers(0, 4, 20).astype(float), rng.standard_normal(20)
+    one, two = np.arange(20) == 3, np.isin(np.arange(20), (3, 11))  # two: tied infinities
+    for xs, ys in ((np.where(one, np.inf, x), y), (np.where(two, np.inf, x), y),
+                   (x, np.where(one, -np.inf, y)), (x, np.where(two, -np.inf, y))):  # fmt: skip
+        expected = stats.kendalltau(xs, ys, variant="b").statistic
+        np.testing.assert_allclose(st.tau_b(xs[None], ys), [expected], atol=1e-12)
+
+
 def test_tau_b_by_levels_equals_the_pairwise_signs_to_the_bit(monkeypatch):
     """The one-hot product that large permutation tests take gives the same τ-b, bit for bit,
     as the pairwise signs: ties in x and in y, a constant row, a constant y, a NaN in y."""

@@ -234,9 +234,12 @@ class PeerWatchdog:
 
     def _watch(self) -> None:
         # Ticks on a fixed grid: a tick's own time (key-value calls, a loaded machine) does not
-        # push the next ones later, so `lost_after` holds on the wall clock.
+        # push the next ones later; a tick late by more than an interval skips those it missed.
         tick = time.monotonic()
-        while not self._stop.wait(max(0.0, (tick := tick + self._interval) - time.monotonic())):
+        while True:
+            tick = max(tick + self._interval, time.monotonic())
+            if self._stop.wait(max(0.0, tick - time.monotonic())):
+                return
             try:
                 self._beat()
                 for peer in range(self._count):

@@ -374,26 +374,27 @@ def test_the_launcher_stops_every_process_when_its_output_pipe_closes(monkeypatc
     assert err.count("\n") == 1 and "output pipe closed" in err and "Traceback" not in err, err
 
 
+def two_children(tmp_path, first_then: str, second_then: str, prints: bool = False) -> list:
+    """The commands of two child processes that ignore SIGTERM (as main does under JAX's
+    handler) and, with `prints`, print a line once they do; the second then runs `second_then`,
+    and the first runs `first_then` once the second has got that far (Python lines)."""
+    ready = tmp_path / "ready"
+    start = "import os, pathlib, signal, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    start += "print('x', flush=True)\n" if prints else ""
+    first = f"{start}while not os.path.exists({str(ready)!r}): time.sleep(0.01)\n{first_then}"
+    second = f"{start}pathlib.Path({str(ready)!r}).touch()\n{second_then}"
+    return [[sys.executable, "-c", code] for code in (first, second)]
+
+
 def test_a_failed_process_after_the_pipe_closed_is_its_status_without_a_traceback(
     monkeypatch, capsys, tmp_path
 ):
     """`launch.local ... 2>&1 | head`: stderr is the closed pipe too. A process that then failed
     made the launcher's own line about it raise BrokenPipeError: a traceback, exit 1, and the
     other processes left without their SIGKILL."""
-    # Both ignore the SIGTERM that the closed pipe sends, and print only once they do (the pipe
-    # closes after both have printed); the first fails once the second is ready, the second
-    # stays until its SIGKILL.
-    ready = tmp_path / "ready"
-    first = (
-        "import os, signal, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-        f"print('x', flush=True)\nwhile not os.path.exists({str(ready)!r}): time.sleep(0.01)\n"
-        "time.sleep(0.5)\nsys.exit(3)\n"
-    )
-    second = (
-        "import pathlib, signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-        f"print('x', flush=True)\npathlib.Path({str(ready)!r}).touch()\ntime.sleep(60)\n"
-    )
-    commands = [[sys.executable, "-c", code] for code in (first, second)]
+    # The pipe closes once both have printed; the first then fails, the second stays until its
+    # SIGKILL.
+    commands = two_children(tmp_path, "time.sleep(0.5)\nsys.exit(3)\n", "time.sleep(60)\n", True)
     monkeypatch.setattr(local, "commands", lambda *_: commands)
     monkeypatch.setattr(local, "GRACE_SECONDS", 0.5)
 
@@ -410,16 +411,7 @@ def test_the_launcher_exits_with_the_cause_not_with_the_status_of_a_process_it_s
     """Process 1 refused the run (status 2), and process 0's watchdog, seeing that first,
     stopped process 0 with status 5 before process 0 reached the same refusal: the launcher
     exited 5, "stopped by another", for a bad flag."""
-    ready = tmp_path / "ready"
-    stopped = (
-        f"import os, sys, time\nwhile not os.path.exists({str(ready)!r}): time.sleep(0.01)\n"
-        "sys.exit(5)\n"
-    )
-    cause = (  # as main does under JAX's SIGTERM handler: the launcher's SIGTERM changes nothing
-        "import pathlib, signal, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-        f"pathlib.Path({str(ready)!r}).touch()\ntime.sleep(0.5)\nsys.exit(2)\n"
-    )
-    commands = [[sys.executable, "-c", code] for code in (stopped, cause)]
+    commands = two_children(tmp_path, "sys.exit(5)\n", "time.sleep(0.5)\nsys.exit(2)\n")
     monkeypatch.setattr(local, "commands", lambda *_: commands)
     assert local.run(2, 1, ["--workdir=unused"]) == 2
 
@@ -427,16 +419,7 @@ def test_the_launcher_exits_with_the_cause_not_with_the_status_of_a_process_it_s
 def test_a_process_the_launcher_had_to_kill_is_not_the_cause(monkeypatch, tmp_path):
     """Process 0 stopped (status 5: process 1 stopped responding); process 1, hung, ends by the
     launcher's SIGKILL (137). The run's status stays 5, the documented one for a lost process."""
-    ready = tmp_path / "ready"
-    stopped = (
-        f"import os, sys, time\nwhile not os.path.exists({str(ready)!r}): time.sleep(0.01)\n"
-        "sys.exit(5)\n"
-    )
-    hung = (
-        "import pathlib, signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-        f"pathlib.Path({str(ready)!r}).touch()\ntime.sleep(60)\n"
-    )
-    commands = [[sys.executable, "-c", code] for code in (stopped, hung)]
+    commands = two_children(tmp_path, "sys.exit(5)\n", "time.sleep(60)\n")
     monkeypatch.setattr(local, "commands", lambda *_: commands)
     monkeypatch.setattr(local, "GRACE_SECONDS", 0.5)
     assert local.run(2, 1, ["--workdir=unused"]) == 5

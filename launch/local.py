@@ -27,10 +27,9 @@ import sys
 import threading
 import time
 
-from resconv_jax.runtime.signals import discard_output
+from resconv_jax.runtime.signals import EXIT_INTERRUPTED, EXIT_PIPE_CLOSED, discard_output
 
 GRACE_SECONDS = 10.0  # after the first failure, how long the others get before SIGKILL
-EXIT_PIPE_CLOSED = 141  # as main's and reproduce's: 128 + SIGPIPE
 EXIT_STOPPED_BY_ANOTHER = 5  # main's status for a process stopped by another's failure or loss
 
 
@@ -184,10 +183,11 @@ def _wait(children: list[subprocess.Popen]) -> int:
 
 
 def _said_by_itself(status: int) -> bool:
-    """A failure a process reported itself (an exit status it chose, Ctrl-C's 130, a closed
-    pipe's 141), not main's 5 for "stopped by another" nor a signal that the stopping sent
+    """A failure a process reported itself (an exit status it chose, Ctrl-C's, a closed
+    pipe's), not main's 5 for "stopped by another" nor a signal that the stopping sent
     (SIGTERM, SIGKILL, JAX's abort once the coordinator is gone)."""
-    return (0 < status < 128 and status != EXIT_STOPPED_BY_ANOTHER) or status in (130, 141)
+    chosen = 0 < status < 128 and status != EXIT_STOPPED_BY_ANOTHER
+    return chosen or status in (EXIT_INTERRUPTED, EXIT_PIPE_CLOSED)
 
 
 class _OneLineErrors(argparse.ArgumentParser):

@@ -332,3 +332,25 @@ def test_the_wall_times_give_each_experiments_cpu_and_the_floor_it_sets(monkeypa
     assert "| a | ran | 100.0 | 150.0 |" in rows
     assert "| all, from the first experiment to the claims table | | 120.0 | 280.0 |" in rows
     assert rows[-1] == "CPU 280 s in all, 140 s over the 2 usable cores."
+
+
+def test_an_experiment_whose_worker_died_has_no_cpu_seconds_and_the_sum_says_so(monkeypatch):
+    """A worker killed mid-experiment takes its CPU count with it: the table shows a dash, not
+    0.0, and the sum is a lower bound."""
+    from resconv_jax.experiments.record import Experiment, scale_variants
+    from resconv_jax.runtime import host
+
+    monkeypatch.setattr(host, "usable_cores", lambda: 2)
+    outcomes = []
+    for name, status, cpu in (("a", "ran", 150.0), ("b", "not run", None)):
+        outcome = Outcome(Experiment(name, name, "x.py", scale_variants("", "", "")), name,
+                          status, None, [])  # fmt: skip
+        outcome.wall, outcome.cpu = 60.0, cpu
+        outcomes.append(outcome)
+    rows = report.wall_times(outcomes, 120.0, jobs=2)
+    assert "| b | not run | 60.0 | — |" in rows
+    assert "| all, from the first experiment to the claims table | | 120.0 | ≥ 150.0 |" in rows
+    assert rows[-1] == (
+        "CPU ≥ 150 s in all, ≥ 75 s over the 2 usable cores (b: its worker died, its CPU "
+        "seconds unknown)."
+    )

@@ -34,7 +34,9 @@ class Outcome:
     missing_weights: bool = False  # stopped because the pretrained weights were not found
     label: str = ""  # prefixed to the notes of its claims
     wall: float = 0.0  # seconds this invocation spent on it (reused: the checks and the report)
-    cpu: float = 0.0  # CPU seconds of its process over `wall`, every thread's (XLA's) included
+    # CPU seconds of its process over `wall`, every thread's (XLA's) included; None: unknown
+    # (its worker died, and its count with it)
+    cpu: float | None = 0.0
 
     def status_line(self) -> str:
         """'   NAME: STATUS, SECONDS s', as printed when it is done."""

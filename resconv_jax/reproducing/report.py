@@ -190,18 +190,40 @@ def wall_times(outcomes: list[Outcome], total: float, jobs: int = 1) -> list[str
     if jobs > 1:
         rows = [f"{jobs} experiments at a time (`--jobs`): their times overlap.", ""]
     rows += ["| experiment | status | seconds | CPU seconds |", "|---|---|---|---|"]
-    rows += [f"| {o.experiment.name} | {o.status} | {o.wall:.1f} | {o.cpu:.1f} |" for o in outcomes]
-    cpu = sum(o.cpu for o in outcomes)
-    rows += [f"| all, from the first experiment to the claims table | | {total:.1f} | {cpu:.1f} |"]
+    rows += [
+        f"| {o.experiment.name} | {o.status} | {o.wall:.1f} | "
+        + ("—" if o.cpu is None else f"{o.cpu:.1f}")
+        + " |"
+        for o in outcomes
+    ]
+    cpu, at_least = _known_cpu(outcomes)
+    rows += [
+        "| all, from the first experiment to the claims table | | "
+        f"{total:.1f} | {at_least}{cpu:.1f} |"
+    ]
     return rows + ["", cpu_line(outcomes, host.usable_cores()) + "."]
+
+
+def _known_cpu(outcomes: list[Outcome]) -> tuple[float, str]:
+    """(the CPU seconds known, "≥ " when an experiment's are unknown, else "")."""
+    known = [o.cpu for o in outcomes if o.cpu is not None]
+    return sum(known), "≥ " if len(known) < len(outcomes) else ""
 
 
 def cpu_line(outcomes: list[Outcome], cores: int) -> str:
     """'CPU N s ...': the experiments' CPU seconds (every thread of their processes, XLA's
     included), and that over the `cores` this process may use: no schedule of the same work
-    takes less wall time here (a thread pool's spinning counts as work)."""
-    cpu = sum(o.cpu for o in outcomes)
-    return f"CPU {cpu:.0f} s in all, {cpu / cores:.0f} s over the {cores} usable cores"
+    takes less wall time here (a thread pool's spinning counts as work). An experiment whose
+    worker died has no count: the sums are then lower bounds, and the line names it."""
+    cpu, at_least = _known_cpu(outcomes)
+    line = (
+        f"CPU {at_least}{cpu:.0f} s in all, {at_least}{cpu / cores:.0f} s over the {cores} "
+        "usable cores"
+    )
+    lost = [o.experiment.name for o in outcomes if o.cpu is None]
+    if lost:
+        line += f" ({', '.join(lost)}: its worker died, its CPU seconds unknown)"
+    return line
 
 
 README_START, README_END = "<!-- claims table: start -->", "<!-- claims table: end -->"

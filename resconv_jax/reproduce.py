@@ -245,7 +245,8 @@ def _reproduce_locked(
     spent = ", ".join(f"{o.experiment.name} {o.wall:.0f} s" for o in outcomes)
     print(
         f"{total:.0f} s from the first experiment to the claims table ({spent}; the table "
-        f"{table_seconds:.0f} s); {report.cpu_line(outcomes, host.usable_cores())}",
+        f"{table_seconds:.0f} s); {report.cpu_line(outcomes, host.usable_cores())}; "
+        f"{report.making_line(outcomes)}",
         flush=True,
     )
     print(f"wrote {wd.path(root) / report.REPORT_FILE}", flush=True)

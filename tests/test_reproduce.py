@@ -119,6 +119,7 @@ def test_a_damaged_finished_run_is_resumed_not_reused(tmp_path):
     experiment = _short_tiny(tmp_path)
     ran = run_experiment(experiment, "paper", str(tmp_path), {})
     assert ran.status == "ran" and 0 < ran.cpu  # its CPU seconds, for REPORT.md's wall times
+    assert 0 < ran.compiling < ran.wall and 0 < ran.reporting < ran.wall  # where they went
     assert run_experiment(experiment, "paper", str(tmp_path), {}).status == "reused"
     metrics, summary = tmp_path / "tiny" / "metrics.jsonl", tmp_path / "tiny" / "summary.json"
     good_metrics, good_summary = metrics.read_bytes(), summary.read_bytes()
@@ -325,13 +326,19 @@ def test_the_wall_times_give_each_experiments_cpu_and_the_floor_it_sets(monkeypa
     for name, wall, cpu in (("a", 100.0, 150.0), ("b", 90.0, 130.0)):
         outcome = Outcome(Experiment(name, name, "x.py", scale_variants("", "", "")), name,
                           "ran", wall, [])  # fmt: skip
-        outcome.wall, outcome.cpu = wall, cpu
+        outcome.wall, outcome.cpu, outcome.compiling, outcome.reporting = wall, cpu, 20.0, 5.0
         outcomes.append(outcome)
     rows = report.wall_times(outcomes, 120.0, jobs=2)
-    assert "| experiment | status | seconds | CPU seconds |" in rows
-    assert "| a | ran | 100.0 | 150.0 |" in rows
-    assert "| all, from the first experiment to the claims table | | 120.0 | 280.0 |" in rows
+    assert "| experiment | status | seconds | CPU seconds | compiling | reports |" in rows
+    assert "| a | ran | 100.0 | 150.0 | 20.0 | 5.0 |" in rows
+    assert (
+        "| all, from the first experiment to the claims table | | 120.0 | 280.0 | 40.0 | 10.0 |"
+        in rows
+    )
     assert rows[-1] == "CPU 280 s in all, 140 s over the 2 usable cores."
+    assert report.making_line(outcomes) == (
+        "compiling 40 s, reports 10 s, summed over the experiments"
+    )
 
 
 def test_an_experiment_whose_worker_died_has_no_cpu_seconds_and_the_sum_says_so(monkeypatch):
@@ -342,15 +349,21 @@ def test_an_experiment_whose_worker_died_has_no_cpu_seconds_and_the_sum_says_so(
 
     monkeypatch.setattr(host, "usable_cores", lambda: 2)
     outcomes = []
-    for name, status, cpu in (("a", "ran", 150.0), ("b", "not run", None)):
+    for name, status, count in (("a", "ran", 150.0), ("b", "not run", None)):
         outcome = Outcome(Experiment(name, name, "x.py", scale_variants("", "", "")), name,
                           status, None, [])  # fmt: skip
-        outcome.wall, outcome.cpu = 60.0, cpu
+        outcome.wall, outcome.cpu, outcome.compiling, outcome.reporting = 60.0, count, None, None
+        if count:
+            outcome.compiling, outcome.reporting = 20.0, 5.0
         outcomes.append(outcome)
     rows = report.wall_times(outcomes, 120.0, jobs=2)
-    assert "| b | not run | 60.0 | — |" in rows
-    assert "| all, from the first experiment to the claims table | | 120.0 | ≥ 150.0 |" in rows
+    assert "| b | not run | 60.0 | — | — | — |" in rows
+    assert (
+        "| all, from the first experiment to the claims table | | 120.0 | ≥ 150.0 | ≥ 20.0 | "
+        "≥ 5.0 |" in rows
+    )
     assert rows[-1] == (
         "CPU ≥ 150 s in all, ≥ 75 s over the 2 usable cores (b: its worker died, its CPU "
         "seconds unknown)."
     )
+    assert report.making_line(outcomes).startswith("compiling ≥ 20 s, reports ≥ 5 s, ")

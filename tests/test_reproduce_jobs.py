@@ -212,6 +212,7 @@ def test_a_worker_that_dies_costs_only_its_experiment(tmp_path):
     assert [o.status for o in outcomes] == ["not run", "ran"]
     assert outcomes[0].reason.startswith("its worker process exited with status -9 (see ")
     assert outcomes[0].cpu is None and outcomes[1].cpu > 0  # unknown, not 0.0
+    assert outcomes[0].compiling is None and outcomes[1].compiling > 0
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ import jax
 from resconv_jax import experiments
 from resconv_jax.errors import TrainingDiverged, WeightsNotFound, WorkdirBusy, WorkdirWriteError
 from resconv_jax.experiments.record import Experiment
+from resconv_jax.runtime import compile_clock
 from resconv_jax.runtime import workdir as wd
 from resconv_jax.runtime.workdir import read_saved_config
 
@@ -34,13 +35,22 @@ class Outcome:
     missing_weights: bool = False  # stopped because the pretrained weights were not found
     label: str = ""  # prefixed to the notes of its claims
     wall: float = 0.0  # seconds this invocation spent on it (reused: the checks and the report)
-    # CPU seconds of its process over `wall`, every thread's (XLA's) included; None: unknown
-    # (its worker died, and its count with it)
+    # Of `wall`: the CPU seconds of its process, every thread's (XLA's) included; the seconds
+    # making its programs (tracing, lowering, compiling or loading from the compilation cache:
+    # `compile_clock`), its reports' included; the seconds writing its report after the run
+    # (`experiments.report_tables`: figures and tables). None: unknown (its worker died, and its
+    # counts with it).
     cpu: float | None = 0.0
+    compiling: float | None = 0.0
+    reporting: float | None = 0.0
 
     def status_line(self) -> str:
-        """'   NAME: STATUS, SECONDS s', as printed when it is done."""
-        return f"   {self.experiment.name}: {self.status}, {self.wall:.1f} s"
+        """'   NAME: STATUS, SECONDS s (compiling C s, reports R s)', as printed when it is
+        done."""
+        line = f"   {self.experiment.name}: {self.status}, {self.wall:.1f} s"
+        if self.compiling is None or self.reporting is None:
+            return line
+        return f"{line} (compiling {self.compiling:.1f} s, reports {self.reporting:.1f} s)"
 
 
 def unfinished_reason(config, workdir: str) -> str | None:
@@ -84,20 +94,28 @@ def _run_one(experiment: Experiment, scale: str, root: str, times: dict) -> Outc
         problem = unfinished_reason(config, workdir)
         if problem is None:
             wd.WorkdirLock(workdir).refuse_if_held()  # a run still writing it: not run, busy
-            tables = experiments.report_tables(task, workdir)
+            tables, reporting = _timed_reports(task, workdir)
             seconds = times.get(experiment.name, {}).get("seconds")
             print(f"   finished before: reused ({workdir})", flush=True)
-            return Outcome(experiment, workdir, "reused", seconds, tables)
+            return Outcome(experiment, workdir, "reused", seconds, tables, reporting=reporting)
         status, reason = "ran", ""
         if problem:
             status, reason = "resumed", f"not reusable: {problem}"
             print(f"   {reason}", flush=True)  # the run then resumes, or says why it cannot
         start = time.perf_counter()
         task.run(config, workdir)
-        tables = experiments.report_tables(task, workdir)
+        tables, reporting = _timed_reports(task, workdir)
         for text in tables:
             print(text, flush=True)
-        return Outcome(experiment, workdir, status, time.perf_counter() - start, tables, reason)
+        seconds = time.perf_counter() - start
+        return Outcome(experiment, workdir, status, seconds, tables, reason, reporting=reporting)
+
+
+def _timed_reports(task, workdir: str) -> tuple[list[str], float]:
+    """`experiments.report_tables` of the task's finished `workdir`, and the seconds it took."""
+    start = time.perf_counter()
+    tables = experiments.report_tables(task, workdir)
+    return tables, time.perf_counter() - start
 
 
 def _attempt(experiment: Experiment, scale: str, root: str, times: dict) -> Outcome:
@@ -116,7 +134,11 @@ def run_experiment(experiment: Experiment, scale: str, root: str, times: dict) -
     its weights are not found; an error that stops it (bad input, including data and weights:
     ValueError; divergence; a busy or unwritable workdir) becomes a "not run" outcome.
     Preempted is raised: the whole command stops, and a rerun resumes."""
-    start, cpu_start = time.perf_counter(), time.process_time()
+    start, cpu_start, compile_start = (
+        time.perf_counter(),
+        time.process_time(),
+        compile_clock.seconds(),
+    )
     outcome = _attempt(experiment, scale, root, times)
     outcome.label = experiment.label
     fallback = experiment.fallback
@@ -128,5 +150,6 @@ def run_experiment(experiment: Experiment, scale: str, root: str, times: dict) -
         outcome = substitute
     outcome.wall = time.perf_counter() - start
     outcome.cpu = time.process_time() - cpu_start
+    outcome.compiling = compile_clock.seconds() - compile_start
     print(outcome.status_line(), flush=True)
     return outcome

@@ -189,25 +189,42 @@ def wall_times(outcomes: list[Outcome], total: float, jobs: int = 1) -> list[str
     rows = []
     if jobs > 1:
         rows = [f"{jobs} experiments at a time (`--jobs`): their times overlap.", ""]
-    rows += ["| experiment | status | seconds | CPU seconds |", "|---|---|---|---|"]
     rows += [
-        f"| {o.experiment.name} | {o.status} | {o.wall:.1f} | "
-        + ("—" if o.cpu is None else f"{o.cpu:.1f}")
-        + " |"
-        for o in outcomes
+        "| experiment | status | seconds | CPU seconds | compiling | reports |",
+        "|---|---|---|---|---|---|",
     ]
-    cpu, at_least = _known_cpu(outcomes)
-    rows += [
-        "| all, from the first experiment to the claims table | | "
-        f"{total:.1f} | {at_least}{cpu:.1f} |"
+    for o in outcomes:
+        counts = " | ".join("—" if v is None else f"{v:.1f}" for v in _counts(o))
+        rows.append(f"| {o.experiment.name} | {o.status} | {o.wall:.1f} | {counts} |")
+    sums = " | ".join(f"{at_least}{value:.1f}" for value, at_least in _sums(outcomes))
+    rows += [f"| all, from the first experiment to the claims table | | {total:.1f} | {sums} |"]
+    return rows + [
+        "",
+        "compiling: tracing, lowering and compiling programs, or loading them from the "
+        "compilation cache (the reports' included); reports: writing each experiment's report "
+        "(figures and tables) after its run.",
+        "",
+        cpu_line(outcomes, host.usable_cores()) + ".",
     ]
-    return rows + ["", cpu_line(outcomes, host.usable_cores()) + "."]
+
+
+def _counts(outcome: Outcome) -> tuple[float | None, float | None, float | None]:
+    return outcome.cpu, outcome.compiling, outcome.reporting
+
+
+def _sums(outcomes: list[Outcome]) -> list[tuple[float, str]]:
+    """Per count of `_counts`: (the sum of the known values, "≥ " when one is unknown, else
+    "")."""
+    sums = []
+    for values in zip(*map(_counts, outcomes), strict=True):
+        known = [v for v in values if v is not None]
+        sums.append((sum(known), "≥ " if len(known) < len(values) else ""))
+    return sums or [(0.0, "")] * 3
 
 
 def _known_cpu(outcomes: list[Outcome]) -> tuple[float, str]:
     """(the CPU seconds known, "≥ " when an experiment's are unknown, else "")."""
-    known = [o.cpu for o in outcomes if o.cpu is not None]
-    return sum(known), "≥ " if len(known) < len(outcomes) else ""
+    return _sums(outcomes)[0]
 
 
 def cpu_line(outcomes: list[Outcome], cores: int) -> str:
@@ -224,6 +241,16 @@ def cpu_line(outcomes: list[Outcome], cores: int) -> str:
     if lost:
         line += f" ({', '.join(lost)}: its worker died, its CPU seconds unknown)"
     return line
+
+
+def making_line(outcomes: list[Outcome]) -> str:
+    """'compiling C s, reports R s, summed over the experiments' (`Outcome.compiling`,
+    `.reporting`)."""
+    (compiling, at_least), (reporting, at_least_r) = _sums(outcomes)[1:]
+    return (
+        f"compiling {at_least}{compiling:.0f} s, reports {at_least_r}{reporting:.0f} s, summed "
+        "over the experiments"
+    )
 
 
 README_START, README_END = "<!-- claims table: start -->", "<!-- claims table: end -->"

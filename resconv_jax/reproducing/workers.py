@@ -341,7 +341,8 @@ def _collect(progress: _Progress, pool: _Pool, root: str, on_outcome) -> None:
                       f"{log_path(root, experiment.name)})")  # fmt: skip
             outcome = Outcome(experiment, os.path.join(root, experiment.name), "not run", None,
                               [], reason)  # fmt: skip
-            outcome.wall, outcome.cpu = time.perf_counter() - worker.started, None
+            outcome.wall = time.perf_counter() - worker.started
+            outcome.cpu = outcome.compiling = outcome.reporting = None  # died with it
             progress.outcomes[experiment.name] = outcome
             print(f"   {experiment.name}: not run: {reason}", flush=True)
             on_outcome(outcome)

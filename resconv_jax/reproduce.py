@@ -1,6 +1,7 @@
 """Every claim of the paper, checked by one command: runs (or resumes, or reuses) each experiment
 in DIR/<name>/ and writes DIR/REPORT.md, the claims table of docs/protocol.md with a verdict per
-claim, then each experiment's tables and figures, the machine, versions and wall times.
+claim, then each experiment's tables and figures, the machine, versions and wall times (each
+experiment's seconds, CPU seconds, and seconds compiling and writing its report).
 
     python -m resconv_jax.reproduce --workdir=DIR [--scale=small|paper|tiny] [--readme=README.md]
         [--only=NAME,...] [--jobs=N|auto]
@@ -13,7 +14,7 @@ The default, `--jobs=auto`, is 2 on a CPU with two cores or more (1 at --scale=p
 experiments are sized to fill a machine) and 1 on an accelerator;
 `--jobs=1` runs them one after another in this process, their output on the terminal.
 
-`small` takes ~6 minutes on 2 CPU cores from scratch (7 one at a time; README.md); `paper`
+`small` takes ~5 minutes on 2 CPU cores from scratch (7 one at a time; README.md); `paper`
 is the full protocol (a GPU or a pod); `tiny` is a smoke test whose numbers mean nothing. A finished
 experiment is reused, not rerun, only when its files pass the checks a resume makes (its task's
 `why_unfinished`: this scale's config, every run's line at every logged step up to the last, the

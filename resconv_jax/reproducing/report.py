@@ -222,17 +222,12 @@ def _sums(outcomes: list[Outcome]) -> list[tuple[float, str]]:
     return sums or [(0.0, "")] * 3
 
 
-def _known_cpu(outcomes: list[Outcome]) -> tuple[float, str]:
-    """(the CPU seconds known, "≥ " when an experiment's are unknown, else "")."""
-    return _sums(outcomes)[0]
-
-
 def cpu_line(outcomes: list[Outcome], cores: int) -> str:
     """'CPU N s ...': the experiments' CPU seconds (every thread of their processes, XLA's
     included), and that over the `cores` this process may use: no schedule of the same work
     takes less wall time here (a thread pool's spinning counts as work). An experiment whose
     worker died has no count: the sums are then lower bounds, and the line names it."""
-    cpu, at_least = _known_cpu(outcomes)
+    cpu, at_least = _sums(outcomes)[0]
     line = (
         f"CPU {at_least}{cpu:.0f} s in all, {at_least}{cpu / cores:.0f} s over the {cores} "
         "usable cores"

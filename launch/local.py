@@ -27,10 +27,10 @@ import sys
 import threading
 import time
 
+from resconv_jax.errors import EXIT_LOST_PROCESS
 from resconv_jax.runtime.signals import EXIT_INTERRUPTED, EXIT_PIPE_CLOSED, discard_output
 
 GRACE_SECONDS = 10.0  # after the first failure, how long the others get before SIGKILL
-EXIT_STOPPED_BY_ANOTHER = 5  # main's status for a process stopped by another's failure or loss
 
 
 def free_port() -> int:
@@ -177,7 +177,7 @@ def _wait(children: list[subprocess.Popen]) -> int:
                     child.kill()
         time.sleep(0.05)
     statuses = [exit_status(c.returncode) for c in children]
-    if failure in (0, EXIT_STOPPED_BY_ANOTHER):  # the cause, if another process said one
+    if failure in (0, EXIT_LOST_PROCESS):  # the cause, if another process said one
         failure = next((s for s in statuses if _said_by_itself(s)), failure)
     return failure or next((s for s in statuses if s), 0)
 
@@ -186,7 +186,7 @@ def _said_by_itself(status: int) -> bool:
     """A failure a process reported itself (an exit status it chose, Ctrl-C's, a closed
     pipe's), not main's 5 for "stopped by another" nor a signal that the stopping sent
     (SIGTERM, SIGKILL, JAX's abort once the coordinator is gone)."""
-    chosen = 0 < status < 128 and status != EXIT_STOPPED_BY_ANOTHER
+    chosen = 0 < status < 128 and status != EXIT_LOST_PROCESS
     return chosen or status in (EXIT_INTERRUPTED, EXIT_PIPE_CLOSED)
 
 

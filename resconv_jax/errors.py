@@ -3,12 +3,15 @@ module can raise or catch them without importing the module that usually raises 
 
 Each message is one line saying what went wrong and what to do. The command line maps them to
 exit statuses (`resconv_jax.main`): ValueError and its subclasses (bad input) 2, WorkdirBusy 3,
-WorkdirWriteError 4, TrainingDiverged 1; Preempted is a clean stop (0).
+WorkdirWriteError 4, TrainingDiverged 1; Preempted is a clean stop (0). A process of a
+multi-process run that another one's failure or loss stopped exits 5 (the launcher reads it).
 """
 
 from __future__ import annotations
 
 import sys
+
+EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_BUSY, EXIT_WRITE_FAILED, EXIT_LOST_PROCESS = 1, 2, 3, 4, 5
 
 
 class ConfigError(ValueError):

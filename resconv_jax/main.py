@@ -49,6 +49,11 @@ from ml_collections import config_flags  # noqa: E402
 from resconv_jax import experiments  # noqa: E402
 from resconv_jax.analysis.summary import format_summary  # noqa: E402
 from resconv_jax.errors import (  # noqa: E402
+    EXIT_BAD_INPUT,
+    EXIT_BUSY,
+    EXIT_DIVERGED,
+    EXIT_LOST_PROCESS,
+    EXIT_WRITE_FAILED,
     ConfigError,
     Preempted,
     TrainingDiverged,
@@ -71,7 +76,6 @@ def _frozen() -> None:
 
 _frozen()
 
-EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_BUSY, EXIT_WRITE_FAILED, EXIT_LOST_PROCESS = 1, 2, 3, 4, 5
 EXIT_INTERRUPTED = signals.EXIT_INTERRUPTED  # Ctrl-C (SIGINT), as a shell reports it
 EXIT_PIPE_CLOSED = signals.EXIT_PIPE_CLOSED  # stdout's reader went away (`| head`)
 

@@ -207,7 +207,7 @@ def run(config, workdir: str) -> list[dict]:
 def _check_mesh(config, groups, num_samples: int) -> None:
     """Every group's mesh and train.runs_per_chunk, checked before process 0 locks the workdir:
     every process of a multi-process run refuses the same config at once, and none leaves a
-    new workdir behind (`make_mesh` and `_parts` check the same again)."""
+    new workdir behind (`make_mesh` and `ChunkRunners` check the same again)."""
     for _, runs in groups:
         sweep, data = sharding.mesh_shape(len(runs), num_samples, config.mesh)
         check_runs_per_chunk(config.train.runs_per_chunk, {"sweep": sweep, "data": data})
@@ -381,7 +381,6 @@ def _parts(config, dataset, runs) -> _Parts:
     if dataset.teacher_seed is not None:
         dataset = dataset.with_teacher_targets(model, RunSettings())  # the teacher's β = 1
     mesh = sharding.make_mesh(len(runs), dataset.num_train, config.mesh)
-    check_runs_per_chunk(config.train.runs_per_chunk, dict(mesh.shape))
     one_run_params = model.init(runs[0].seed)
     num_outputs = _num_outputs(model, dataset.x_train, one_run_params)
     num_params = sum(np.size(leaf) for leaf in jax.tree.leaves(one_run_params))

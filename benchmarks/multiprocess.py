@@ -142,7 +142,7 @@ def hlo_bytes(name: str) -> list[list[object]]:
     program = train.build_program(config, dataset, runs)
     mesh = program.y.sharding.mesh
     params = model.init(runs[0].seed)
-    found = collectives(program.runners.at(0).as_text())
+    found = collectives(program.runners.compiled.as_text())
     leaves = jax.tree.leaves(params)
     grads = len(runs) * sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
     d, data = dataset.x_train.shape[-1], mesh.shape["data"]

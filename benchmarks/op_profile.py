@@ -139,12 +139,13 @@ def profile_scaling_case(
 
     config = scaling.case_config(model, num_samples, microbatch, steps_per_call)
     program = train.build_program(config)
-    chunk, state = program.runners.at(0), program.state
+    chunk, state = program.runners.compiled, program.state
+    probe_now = program.runners.probe_now(0)
 
     def call():
         nonlocal state
         steps = jnp.int32(steps_per_call)
-        state, buffers = chunk(state, program.hp, program.x, program.y, steps)
+        state, buffers = chunk(state, program.hp, program.x, program.y, steps, probe_now)
         return buffers
 
     for _ in range(2):

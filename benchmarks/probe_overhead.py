@@ -19,8 +19,8 @@ and "stacked" (stacked σ only, `probe.per_sample=False`). Timings (`--kinds`):
   run1   `run_steps(state, hp, x, y, num_steps=1)`, so that the probe runs on every step.
   chunk  K-step chunk, as train.run calls it: K = train.log_every steps per call, the probe on
          the first; its overhead is the probe's cost in training (with probe.every = 0).
-  period `--probe-every` / K chunks, the probe compiled into the first only: the probe's cost in
-         training with probe.every = `--probe-every` (default 100).
+  period `--probe-every` / K chunks of one compiled chunk program, told to probe the first
+         only: the probe's cost in training with probe.every = `--probe-every` (default 100).
   alone  the probe by itself, compiled on its own, on the intermediates of one real step, shown
          as a fraction of one step without it: the least that probing every step can cost on this
          machine unless the probe overlaps the step. It also prints the probe's FLOP floor (the
@@ -131,7 +131,8 @@ class Problem:
 
 
 class Case:
-    """A compiled (state, hp, x, y[, n]) -> (state, out) that donates and replaces its state.
+    """A compiled (state, hp, x, y[, n, probe_now]) -> (state, out) that donates and replaces its
+    state (n and probe_now = True for `run_steps`, as train.run passes them).
 
     One call of the case is `calls` calls of the compiled function, `steps` GD steps each."""
 
@@ -140,7 +141,7 @@ class Case:
         self.state = problem.fresh_state()
         self.args = (problem.hp, problem.x, problem.y)
         if num_steps is not None:
-            self.args += (jnp.int32(num_steps),)
+            self.args += (jnp.int32(num_steps), jnp.bool_(True))
         jitted = jax.jit(fn, donate_argnums=0, out_shardings=(problem.state_sharding, None))
         self.compiled = jitted.lower(self.state, *self.args).compile()
 
@@ -172,18 +173,19 @@ def step_case(problem: Problem, probe_kind: str | None, calls: int) -> Case:
 
 class PeriodCase:
     """`period // log_every` chunks of `log_every` steps, the probe on the first chunk only: the
-    cost of training with probe.every = period (train.run's two compiled chunk functions)."""
+    cost of training with probe.every = period (train.run's compiled chunk, probe_now False after
+    the first)."""
 
     def __init__(self, problem: Problem, probe_kind: str | None, period: int, log_every: int):
         self.calls, self.steps = period // log_every, log_every
-        self.first = run_steps_case(problem, probe_kind, 1, log_every)
-        self.rest = run_steps_case(problem, None, 1, log_every)
+        self.chunk = run_steps_case(problem, probe_kind, 1, log_every)
+        self.unprobed = (*self.chunk.args[:-1], jnp.bool_(False))
 
     def __call__(self):
-        state, out = self.first.compiled(self.first.state, *self.first.args)
+        state, out = self.chunk.compiled(self.chunk.state, *self.chunk.args)
         for _ in range(self.calls - 1):
-            state, _ = self.rest.compiled(state, *self.rest.args)
-        self.first.state = state
+            state, _ = self.chunk.compiled(state, *self.unprobed)
+        self.chunk.state = state
         return state, out
 
 

@@ -111,10 +111,11 @@ def run_case(
     from resconv_jax import train
 
     program = train.build_program(case_config(model, num_samples, microbatch, steps_per_call))
-    chunk = program.runners.at(0)
+    chunk, probe_now = program.runners.compiled, program.runners.probe_now(0)
 
     def call(state, num_steps: int):
-        state, buffers = chunk(state, program.hp, program.x, program.y, jnp.int32(num_steps))
+        args = (program.hp, program.x, program.y, jnp.int32(num_steps), probe_now)
+        state, buffers = chunk(state, *args)
         jax.block_until_ready(buffers)
         return state, buffers
 
@@ -124,7 +125,7 @@ def run_case(
         start = time.perf_counter()
         state, buffers = call(state, steps_per_call)
         times.append(time.perf_counter() - start)
-    analysis = program.runners.largest.memory_analysis()
+    analysis = program.runners.compiled.memory_analysis()
     return {
         "model": model,
         "P": num_samples,

@@ -65,7 +65,7 @@ def auto_runs_per_chunk(size: common.Size, steps_per_call: int, data) -> tuple[i
     )
     compiled = (
         jax.jit(runs.fns.run_steps, donate_argnums=0)
-        .lower(runs.state, runs.hp, runs.x, runs.y, jnp.int32(steps_per_call))
+        .lower(runs.state, runs.hp, runs.x, runs.y, jnp.int32(steps_per_call), jnp.bool_(True))
         .compile()
     )
     temp = compiled.memory_analysis().temp_size_in_bytes

@@ -88,8 +88,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.sweep.dim = ()
 
     c.probe = ml_collections.ConfigDict()
-    # Spectral probe of Attn(X) and Z, from the probed step's own forward pass; its values go to
-    # metrics.jsonl and TensorBoard.
+    # Spectral probe of Attn(X) and Z, from a forward pass at the probed step's parameters; its
+    # values go to metrics.jsonl and TensorBoard.
     c.probe.enabled = True
     c.probe.every = 0  # steps between probes, a multiple of train.log_every; 0: every log step
     c.probe.per_sample = True  # also min_p σ_min(Z_p), min_p σ_min(Attn(X_p)) (one SVD per sample)

@@ -2,8 +2,8 @@
 
 One chunk is train.log_every GD steps of every run (`step.make_step_functions(...).run_steps`),
 compiled once for the shapes and shardings of the train state and data. A chunk that starts at a
-multiple of probe.every also probes its first step; the others are compiled without the probe. The
-steps, losses and parameters are the same either way.
+multiple of probe.every also probes its first step: the same program, told so by its last
+argument.
 """
 
 from __future__ import annotations
@@ -19,9 +19,12 @@ from resconv_jax.errors import ConfigError
 from resconv_jax.microbatch import Microbatches
 from resconv_jax.runtime import memory
 
-# runs_per_chunk=-1: step the runs in chunks when the compiled chunk (all runs, with the probe)
-# needs more temporaries than this.
-CPU_CHUNK_BYTES = 8 << 20
+# runs_per_chunk=-1: step the runs in chunks when the compiled chunk of all runs needs more
+# temporaries than this. It was 8 MiB while a chunk held two copies of the step (its first step
+# outside the loop); one copy needs ~20 % less for the same runs (11.1 against 14.2 MiB for
+# `reproduce`'s depth sweep at L = 8), and 7 MiB keeps every sweep of `reproduce` stepping the
+# same runs together as before, so its numbers do not move with the program's size.
+CPU_CHUNK_BYTES = 7 << 20
 
 
 def check_runs_per_chunk(requested: int, mesh_shape: dict[str, int]) -> int:
@@ -49,7 +52,8 @@ def automatic_runs_per_chunk(num_runs: int, mesh: jax.sharding.Mesh, compiled) -
 
 
 class ChunkRunners:
-    """Compiled chunk functions, with and without the probe.
+    """The compiled chunk program, `compiled(state, hp, x, y, num_steps, probe_now) -> (state,
+    buffers)`, one for every chunk of a run, and which chunks probe (`probe_now`).
 
     Args:
       make_fns: `make_step_functions` with everything but `probe` and `runs_per_chunk` bound.
@@ -81,15 +85,14 @@ class ChunkRunners:
         num_runs = jax.tree.leaves(args[1])[0].shape[0]
         chunk = check_runs_per_chunk(runs_per_chunk, dict(mesh.shape))
         self.runs_per_chunk = chunk if chunk < num_runs else 0  # 0: all runs together
-        self._compile = functools.partial(self._compile_chunk, make_fns, log_every, mesh, args)
-        self._with_probe = self._compile(probe_fn)
+        compile_chunk = functools.partial(self._compile, make_fns, probe_fn, log_every, mesh, args)
+        self.compiled = compile_chunk()
         if runs_per_chunk == -1:
-            self.runs_per_chunk = automatic_runs_per_chunk(num_runs, mesh, self._with_probe)
+            self.runs_per_chunk = automatic_runs_per_chunk(num_runs, mesh, self.compiled)
             if self.runs_per_chunk:
-                self._with_probe = self._compile(probe_fn)
-        self._without_probe = None if self.probe_every else self._with_probe
+                self.compiled = compile_chunk()
 
-    def _compile_chunk(self, make_fns, log_every: int, mesh, args, probe_fn):
+    def _compile(self, make_fns, probe_fn, log_every: int, mesh, args):
         state, hp, x, y = args
         fns = make_fns(
             probe=probe_fn,
@@ -99,14 +102,9 @@ class ChunkRunners:
         on_runs = jax.tree.map(lambda _: sharding.run_sharding(mesh), state)
         return (
             jax.jit(fns.run_steps, donate_argnums=0, out_shardings=(on_runs, None))
-            .lower(state, hp, x, y, jnp.int32(log_every))
+            .lower(state, hp, x, y, jnp.int32(log_every), jnp.bool_(True))
             .compile()
         )
-
-    @property
-    def largest(self):
-        """The compiled chunk with the probe (the most memory), for `memory.check_compiled`."""
-        return self._with_probe
 
     @property
     def description(self) -> str:
@@ -121,16 +119,13 @@ class ChunkRunners:
         batches = "the whole batch at once"
         if self.microbatch_size:
             batches = self._batches.describe()
-        per_device, _, _ = memory.compiled_need(self.largest, mesh)
+        per_device, _, _ = memory.compiled_need(self.compiled, mesh)
         return f"{batches}, step memory {memory.format_bytes(per_device)} per device"
 
-    def at(self, step: int):
-        """The chunk starting at `step`: (state, hp, x, y, num_steps) -> (state, buffers)."""
-        if not self.probe_every or step % self.probe_every == 0:
-            return self._with_probe
-        if self._without_probe is None:  # compiled on first use: some runs never need it
-            self._without_probe = self._compile(None)
-        return self._without_probe
+    def probe_now(self, step: int) -> jax.Array:
+        """Whether the chunk starting at `step` probes its first step (a multiple of probe.every),
+        the last argument of `compiled`."""
+        return jnp.bool_(not self.probe_every or step % self.probe_every == 0)
 
 
 def _fitting_size(need_at, shard: int, have: int, known: tuple[int, int]) -> int:
@@ -156,20 +151,20 @@ def compile_chunks(make_runners, requested, shard: int, mesh) -> tuple[ChunkRunn
     memory."""
 
     def need_at(size: int) -> int:
-        return memory.compiled_need(make_runners(microbatch_size=size).largest, mesh)[1]
+        return memory.compiled_need(make_runners(microbatch_size=size).compiled, mesh)[1]
 
     size = 0 if requested == "auto" else requested
     runners = make_runners(microbatch_size=size)
-    if memory.fits(runners.largest, mesh):
+    if memory.fits(runners.compiled, mesh):
         return runners, size
-    _, need, have = memory.compiled_need(runners.largest, mesh)
+    _, need, have = memory.compiled_need(runners.compiled, mesh)
     fitting = _fitting_size(need_at, shard, have, (size or shard, need))
     if requested == "auto":
         for _ in range(4):  # the line is an estimate: verified, and shrunk if it was optimistic
             if not fitting:
                 break
             runners = make_runners(microbatch_size=fitting)
-            if memory.fits(runners.largest, mesh):
+            if memory.fits(runners.compiled, mesh):
                 return runners, fitting
             fitting = int(fitting * 0.8)
     advice = (
@@ -178,4 +173,4 @@ def compile_chunks(make_runners, requested, shard: int, mesh) -> tuple[ChunkRunn
         else f"train.microbatch_size={fitting} (samples per device per microbatch) would fit, "
         "estimated from XLA's memory analysis; or reduce the model's widths or the runs"
     )
-    raise memory.refusal(runners.largest, mesh, advice)
+    raise memory.refusal(runners.compiled, mesh, advice)

@@ -160,16 +160,19 @@ def make_step_functions(
 
     x (the model's inputs: (P, M, d) windows, or {"ids", "mask"} (P, T) tokens) and y ((P, M, d_y)
     targets, or (P,) labels: `task_loss` with `loss_kind`) are shared by all runs.
-    `run_steps(state, hp, x, y, num_steps)` does num_steps ≤ `steps_per_call` steps (compiled
-    once for any num_steps) and returns every step's metrics in buffers of shape
-    (steps_per_call, R), NaN past `num_steps`. The loss reported for a step is the loss of the
-    parameters that step starts from.
+    `run_steps(state, hp, x, y, num_steps, probe_now=True)` does num_steps ≤ `steps_per_call`
+    steps (compiled once for any num_steps) and returns every step's metrics in buffers of shape
+    (steps_per_call, R), NaN past `num_steps` (`chunk_loop`). The loss reported for a step is the
+    loss of the parameters that step starts from.
 
     `probe(attn, z)` maps the (R, L, P, M, d) intermediates of the call's first step to a dict of
-    (R, L) arrays, returned as buffers of shape (1, R, L). No second forward pass: the
-    intermediates come from that step's loss. Padding rows (the model's "row_mask") are zeroed.
-    With the probe, also Dong et al.'s rank-collapse residual of Attn and Z per layer, over real
-    rows (`probe.collapse_residual`: keys "attn/collapse_residual", "z/collapse_residual").
+    (R, L) arrays, returned as buffers of shape (1, R, L) (NaN unless `probe_now`). They come
+    from a forward pass of their own at the call's starting parameters, before its steps: the
+    same values bit for bit as the first step's loss computes (tested), so that the loop holds
+    the only copy of the step and one program serves probed and unprobed calls. Padding rows
+    (the model's "row_mask") are zeroed. With the probe, also Dong et al.'s rank-collapse
+    residual of Attn and Z per layer, over real rows (`probe.collapse_residual`: keys
+    "attn/collapse_residual", "z/collapse_residual").
 
     `runs_per_chunk` > 0 steps the runs that many at a time (`jax.lax.map` over the run axis,
     vmapped within a chunk) instead of all at once: the same results up to float rounding, with
@@ -227,17 +230,17 @@ def make_step_functions(
 
     evaluate = jax.vmap(plain_loss, in_axes=(0, 0, None, None))
 
-    def probed_step(state, hp, x, y):
-        state, metrics, inter = step(state, hp, x, y)
-        if probe is None:
-            return state, metrics, None
+    def probe_of(params, hp, x):
+        def intermediates(p, h):  # the forward pass of the step's loss at p, bit for bit
+            return model.apply(p, x, h, return_intermediates=True)[1]
+
+        inter = over_runs(intermediates, runs_per_chunk)(params, hp)
         probed = probe(*_masked(inter))
         mask = inter.get("row_mask")
-        probed |= {
+        return probed | {
             f"{name}/collapse_residual": collapse_residual(inter[name], mask)
             for name in ("attn", "z")
         }
-        return state, metrics, probed
 
     return StepFunctions(
         loss=loss,
@@ -245,39 +248,50 @@ def make_step_functions(
         evaluate=evaluate,
         error=jax.vmap(error, in_axes=(0, 0, None, None)),
         scores=jax.vmap(scores, in_axes=(0, 0, None, None)),
-        run_steps=chunk_loop(step, probed_step, steps_per_call),
+        run_steps=chunk_loop(step, probe_of if probe is not None else None, steps_per_call),
         gradient=jax.vmap(jax.value_and_grad(loss), in_axes=(0, 0, None, None)),
         predict=predict,
         linearize=lambda params, hp, x: jacobian.of_function(lambda p: predict(p, hp, x), params),
     )
 
 
-def chunk_loop(step: Callable, probed_step: Callable, steps_per_call: int) -> Callable:
-    """`run_steps(state, hp, x, y, num_steps)`: num_steps ≤ `steps_per_call` steps, compiled
-    once for any num_steps, every step's metrics in buffers of shape (steps_per_call, R), NaN
-    past num_steps; the first step is `probed_step` (-> state, metrics, probe values {name: (R,
-    L)} or None: buffers (1, R, L)), the others `step`."""
+def chunk_loop(step: Callable, probe_of: Callable | None, steps_per_call: int) -> Callable:
+    """`run_steps(state, hp, x, y, num_steps, probe_now=True)`: num_steps ≤ `steps_per_call`
+    steps in one on-device loop, compiled once for any num_steps and either probe_now, every
+    step's metrics in buffers of shape (steps_per_call, R), NaN past num_steps.
 
-    def run_steps(state, hp, x, y, num_steps):
+    With `probe_of` ((params, hp, x) -> the probe's values {name: (R, L)} of the forward pass at
+    params), also its values at the chunk's starting parameters (the intermediates of its first
+    step) as buffers (1, R, L), computed only when `probe_now` (`lax.cond`; NaN otherwise): one
+    program serves the probed chunks and the others, and holds one copy of the step.
+    """
+
+    def run_steps(state, hp, x, y, num_steps, probe_now=True):
         def body(i, carry):
             state, buffers = carry
             state, metrics, _ = step(state, hp, x, y)
-            buffers = {k: buffers[k].at[i].set(metrics[k]) for k in buffers}
-            return state, buffers
+            return state, {k: buffers[k].at[i].set(metrics[k]) for k in buffers}
 
-        # The chunk's first step runs outside the loop, so that the probe of its intermediates
-        # (which needs collectives) is not inside control flow.
-        state, metrics, probed = probed_step(state, hp, x, y)
+        metrics = jax.eval_shape(step, state, hp, x, y)[1]
         buffers = {  # in the training dtype (float32, or float64 with model.dtype=float64)
-            k: jnp.full((steps_per_call, *v.shape), jnp.nan, v.dtype).at[0].set(v)
-            for k, v in metrics.items()
+            k: jnp.full((steps_per_call, *v.shape), jnp.nan, v.dtype) for k, v in metrics.items()
         }
-        state, buffers = jax.lax.fori_loop(1, num_steps, body, (state, buffers))
-        if probed is not None:
-            floats = metrics["loss"].dtype  # a float64 probe of a float32 model stays float64
-            buffers |= {
-                k: v.astype(jnp.promote_types(floats, v.dtype))[None] for k, v in probed.items()
+
+        def probed(params):  # a float64 probe of a float32 model stays float64
+            values = probe_of(params, hp, x)
+            return {
+                k: v.astype(jnp.promote_types(metrics["loss"].dtype, v.dtype))
+                for k, v in values.items()
             }
-        return state, buffers
+
+        def not_probed(params):
+            return {k: jnp.full(v.shape, jnp.nan, v.dtype) for k, v in shapes.items()}
+
+        values = {}
+        if probe_of is not None:
+            shapes = jax.eval_shape(probed, state["params"])
+            values = jax.lax.cond(probe_now, probed, not_probed, state["params"])
+        state, buffers = jax.lax.fori_loop(0, num_steps, body, (state, buffers))
+        return state, buffers | {k: v[None] for k, v in values.items()}
 
     return run_steps

@@ -4,11 +4,11 @@ microbatch's memory.
 One GD step is still one step on the exact full-batch gradient: the loss shares and gradients of the
 microbatches (`microbatch.Microbatches`: n samples of every 'data' shard at a time) are summed in a
 `fori_loop` inside the compiled step, in the training dtype, and the optimizer is applied once.
-Without the probe each 'data' shard's gradient is summed over the microbatches on its own device and
-the shards' sums are added after the loop: one all-reduce per step, not one per microbatch (with the
-probe, a chunk's first step, the loop all-reduces each microbatch's). The probe of a chunk's first
-step is accumulated over the same microbatches (`probe_running`), evaluate, error and scores
-sum over microbatches, and the tangent kernel sees J through products formed microbatch by
+Each 'data' shard's gradient is summed over the microbatches on its own device and the shards'
+sums are added after the loop: one all-reduce per step, not one per microbatch. The probe of a
+chunk's first step is accumulated over the same microbatches (`probe_running`) in a forward pass
+of its own at the chunk's starting parameters (`step.chunk_loop`), evaluate, error and scores sum
+over microbatches, and the tangent kernel sees J through products formed microbatch by
 microbatch (`jacobian.microbatched`).
 
 Float32: the shares are summed without compensation, a blocked summation; on
@@ -51,33 +51,32 @@ def make_step_functions(
     def floats(params):
         return jax.tree.leaves(params)[0].dtype
 
-    def grad_share(params, hp, x, y, weights, num, with_inter):
-        out = model.apply_for_grad(params, x, hp, return_intermediates=with_inter)
-        pred, inter = out if with_inter else (out, {})
-        return weighted_task_loss(pred, y, weights, num, reduction, loss_kind), inter
+    def grad_share(params, hp, x, y, weights, num):
+        pred = model.apply_for_grad(params, x, hp)
+        return weighted_task_loss(pred, y, weights, num, reduction, loss_kind)
 
     def eval_share(params, hp, x, y, weights, num):
         pred = model.apply(params, x, hp)
         return weighted_task_loss(pred, y, weights, num, reduction, loss_kind)
 
-    def gradient(params, hp, x, y, with_probe: bool):
-        """(R,) losses, the (R, ...) gradients and the probe's values (or None)."""
+    def gradient(params, hp, x, y):
+        """(R,) losses and the (R, ...) gradients."""
         batches = batches_of(y)
-        value_and_grad = jax.value_and_grad(grad_share, has_aux=True)
+        value_and_grad = jax.value_and_grad(grad_share)
 
         def microbatch(k):
             """Microbatch k's x, y and sample weights, (S·n, ...) split over 'data'."""
             return batches.take(x, k), batches.take(y, k), batches.weights(k, floats(params))
 
         def share(xk, yk, weights):
-            """((R,) loss shares, intermediates), (R, ...) gradients over these samples."""
+            """(R,) loss shares, (R, ...) gradients over these samples."""
 
             def one_run(p, h):
-                return value_and_grad(p, h, xk, yk, weights, batches.num_samples, with_probe)
+                return value_and_grad(p, h, xk, yk, weights, batches.num_samples)
 
             return over_runs(one_run, runs_per_chunk)(params, hp)
 
-        if not with_probe and batches.num_shards > 1:
+        if batches.num_shards > 1:
             # Each shard's gradient summed over the microbatches on its own device ((S, R, ...)
             # partial sums), the S sums added after the loop: one all-reduce per step, not one
             # per microbatch.
@@ -85,48 +84,45 @@ def make_step_functions(
                 return jax.tree.map(lambda a: a.reshape(batches.num_shards, -1, *a.shape[1:]), tree)
 
             def shard_part(k):
-                (loss, _), grads = jax.vmap(share)(*by_shard(microbatch(k)))
-                return loss, grads
+                return jax.vmap(share)(*by_shard(microbatch(k)))
 
             loss, grads = batches.sum(shard_part, zeros_like(jax.eval_shape(shard_part, 0)))
-            return loss.sum(0), jax.tree.map(lambda g: g.sum(0), grads), None
+            return loss.sum(0), jax.tree.map(lambda g: g.sum(0), grads)
 
         def part(k):
-            xk, yk, weights = microbatch(k)
-            (loss, inter), grads = share(xk, yk, weights)
-            return loss, grads, inter, weights
+            return share(*microbatch(k))
 
-        loss_shape, grads_shape, inter_shape, _ = jax.eval_shape(part, 0)
-        running = probe_running.start(probe, inter_shape) if with_probe else None
+        return batches.sum(part, zeros_like(jax.eval_shape(part, 0)))
 
-        def body(k, carry):
-            loss, grads, running = carry
-            loss_k, grads_k, inter, weights = part(k)
-            if with_probe:
-                running = probe_running.update(probe, running, inter, weights)
-            return loss + loss_k, jax.tree.map(jnp.add, grads, grads_k), running
-
-        init = (zeros_like(loss_shape), zeros_like(grads_shape), running)
-        loss, grads, running = jax.lax.fori_loop(0, batches.count, body, init)
-        if not with_probe:
-            return loss, grads, None
-        seq_len = inter_shape["z"].shape[3]
-        return loss, grads, probe_running.finish(probe, running, batches.num_samples, seq_len)
-
-    def any_step(state, hp, x, y, with_probe: bool):
+    def step(state, hp, x, y):
         params = state["params"]
-        loss, grads, probed = gradient(params, hp, x, y, with_probe)
+        loss, grads = gradient(params, hp, x, y)
         updates, opt_state = jax.vmap(optimizer.update)(grads, state["opt_state"], params)
         params = jax.vmap(optax.apply_updates)(params, updates)
         metrics = {"loss": loss, "grad_norm": jax.vmap(optax.tree.norm)(grads)}
-        return {"params": params, "opt_state": opt_state}, metrics, probed
+        return {"params": params, "opt_state": opt_state}, metrics, {}
 
-    def step(state, hp, x, y):
-        state, metrics, _ = any_step(state, hp, x, y, False)
-        return state, metrics, {}
+    def probe_of(params, hp, x):
+        """The probe's (R, L) values of the forward pass at `params`, over the microbatches."""
+        batches = batches_of(x)
 
-    def probed_step(state, hp, x, y):
-        return any_step(state, hp, x, y, probe is not None)
+        def part(k):
+            xk, weights = batches.take(x, k), batches.weights(k, floats(params))
+
+            def intermediates(p, h):
+                return model.apply(p, xk, h, return_intermediates=True)[1]
+
+            return over_runs(intermediates, runs_per_chunk)(params, hp), weights
+
+        inter_shape = jax.eval_shape(part, 0)[0]
+
+        def body(k, running):
+            return probe_running.update(probe, running, *part(k))
+
+        start = probe_running.start(probe, inter_shape)
+        running = jax.lax.fori_loop(0, batches.count, body, start)
+        seq_len = inter_shape["z"].shape[3]
+        return probe_running.finish(probe, running, batches.num_samples, seq_len)
 
     def evaluate(params, hp, x, y):
         batches = batches_of(y)
@@ -181,8 +177,8 @@ def make_step_functions(
         evaluate=evaluate,
         error=error,
         scores=scores,
-        run_steps=chunk_loop(step, probed_step, steps_per_call),
-        gradient=lambda params, hp, x, y: gradient(params, hp, x, y, False)[:2],
+        run_steps=chunk_loop(step, probe_of if probe is not None else None, steps_per_call),
+        gradient=gradient,
         predict=predict,
         linearize=linearize,
     )

@@ -202,7 +202,7 @@ def test_the_microbatched_step_moves_no_samples_between_devices():
         **{"data.num_samples": 64, "train.microbatch_size": 2, "sweep.beta": (), "mesh.data": 8},
     )
     program = train.build_program(config)
-    hlo = program.runners.largest.as_text()
+    hlo = program.runners.compiled.as_text()
     params = sum(np.size(leaf) for leaf in jax.tree.leaves(program.state["params"]))
     activations = 2 * 8 * 4 * 32  # one microbatch of Z: (S·n, M, d)
     assert largest_collective_elements(hlo) <= max(params, 32 * 32)
@@ -219,7 +219,7 @@ def test_the_gradient_is_all_reduced_once_per_step_not_once_per_microbatch():
     )  # fmt: skip
     program = train.build_program(config)
     assert "(4 per step)" in program.runners.memory_description(program.y.sharding.mesh)
-    hlo = program.runners.largest.as_text()
+    hlo = program.runners.compiled.as_text()
     assert '"known_trip_count":{"n":"4"}' in hlo  # the microbatch loops are there
     assert collectives_in_loops(hlo, 4) == []
     assert " all-reduce" in hlo
@@ -228,7 +228,7 @@ def test_the_gradient_is_all_reduced_once_per_step_not_once_per_microbatch():
 @pytest.mark.slow
 def test_a_step_that_does_not_fit_names_a_microbatch_size_that_does(monkeypatch):
     config = config_of("tiny.py", **{"data.num_samples": 64, "sweep.beta": ()})
-    whole = train.build_program(config).runners.largest
+    whole = train.build_program(config).runners.compiled
     _, need, _ = memory.compiled_need(whole, sharding.make_mesh(1, 64, config.mesh))
     monkeypatch.setattr(memory, "host_available_bytes", lambda: need - 1)
     with pytest.raises(ConfigError, match=r"train\.microbatch_size=\d+ .*would fit") as error:

@@ -272,8 +272,8 @@ def test_compiled_training_step_moves_no_z_sized_array(mesh_shape, num_runs):
         )
         state_sharding = jax.tree.map(lambda _: on_runs, state)
         jitted = jax.jit(fns.run_steps, donate_argnums=0, out_shardings=(state_sharding, None))
-        steps = jnp.int32(config.train.log_every)
-        return jitted.lower(state, hp, x, y, steps).compile().as_text()
+        steps, probe_now = jnp.int32(config.train.log_every), jnp.bool_(True)
+        return jitted.lower(state, hp, x, y, steps, probe_now).compile().as_text()
 
     probed = compiled_hlo(functools.partial(probe.probe_attention, mesh=mesh))
     plain = compiled_hlo(None)

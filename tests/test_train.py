@@ -4,6 +4,8 @@ import json
 import os
 import re
 import struct
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -271,3 +273,37 @@ def test_the_first_chunk_projects_the_programs_wall_time(tmp_path, capsys):
     out = capsys.readouterr().out
     assert re.search(r"first 5 steps in \d+\.\d\d s: at that rate the 20 steps of this program "
                      r"take about \d+s", out), out  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_runs_trajectory_does_not_depend_on_how_often_it_logs_or_probes(tmp_path):
+    """Every step is the same compiled loop body, whether it opens a chunk or not, probed or not:
+    the same bits at every step that both cadences log. Run as users run it, XLA optimizing
+    (the suite compiles at -O0, where the difference below hid): before the probe had a
+    forward pass of its own, a chunk's first step ran outside the loop, compiled apart, and 3
+    of these 15 float32 runs moved in their last bits with train.log_every."""
+    conditioning = os.path.join(os.path.dirname(TINY), "conditioning.py")
+    flags = [
+        "--config.train.num_steps=40",
+        "--config.sweep.dim=(64,)",
+        "--config.certificate.every=40",
+        "--config.mesh.sweep=1",
+        "--config.mesh.data=1",
+    ]
+    cadences = {
+        "log_every_10": ["--config.train.log_every=10", "--config.probe.every=0"],
+        "log_every_20": ["--config.train.log_every=20", "--config.probe.every=0"],
+        "probe_every_20": ["--config.train.log_every=10", "--config.probe.every=20"],
+    }
+    env = os.environ | {"XLA_FLAGS": "", "PYTHONPATH": os.path.dirname(os.path.dirname(TINY))}
+    logged = {}
+    for name, cadence in cadences.items():
+        workdir = tmp_path / name
+        command = [sys.executable, "-m", "resconv_jax.main", f"--config={conditioning}:small"]
+        command += [*flags, *cadence, f"--workdir={workdir}"]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        records = read_metrics(str(workdir))
+        logged[name] = {(r["step"], r["run"]): r["loss"] for r in records if r["step"] % 20 == 0}
+    assert len(logged["log_every_10"]) == 3 * 15
+    assert logged["log_every_10"] == logged["log_every_20"] == logged["probe_every_20"]

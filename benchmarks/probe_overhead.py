@@ -15,8 +15,10 @@ Probes (`--probes`): "full" (stacked σ and per-sample σ_min, `probe.per_sample
 and "stacked" (stacked σ only, `probe.per_sample=False`). Timings (`--kinds`):
 
   step   one step + probe: one jitted function doing one vmapped step (`fns.step`) and, when
-         probed, the probe of that step's intermediates: no loop, no buffers.
-  run1   `run_steps(state, hp, x, y, num_steps=1)`, so that the probe runs on every step.
+         probed, the probe of that step's intermediates: no loop, no buffers. A floor: since
+         f7b2bfb training probes a forward pass of its own at the step's starting parameters.
+  run1   `run_steps(state, hp, x, y, num_steps=1)`, so that the probe runs on every step, as
+         trained with train.log_every = 1 (the probe's forward pass included).
   chunk  K-step chunk, as train.run calls it: K = train.log_every steps per call, the probe on
          the first; its overhead is the probe's cost in training (with probe.every = 0).
   period `--probe-every` / K chunks of one compiled chunk program, told to probe the first
@@ -240,7 +242,7 @@ class ProbeAloneCase:
 def measure(problem: Problem, args, calls: int, log_every: int) -> list[list[object]]:
     """Rows of the table for one size: per-step times without and with each probe."""
     kinds = {
-        "step": ("one step + probe", lambda pk: step_case(problem, pk, calls)),
+        "step": ("one step + probe of its intermediates", lambda pk: step_case(problem, pk, calls)),
         "run1": ("run_steps, 1 step/call", lambda pk: run_steps_case(problem, pk, calls, 1)),
         "chunk": (
             f"{log_every}-step chunk, probe on its first step (as trained)",

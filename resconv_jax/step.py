@@ -168,11 +168,11 @@ def make_step_functions(
     `probe(attn, z)` maps the (R, L, P, M, d) intermediates of the call's first step to a dict of
     (R, L) arrays, returned as buffers of shape (1, R, L) (NaN unless `probe_now`). They come
     from a forward pass of their own at the call's starting parameters, before its steps: the
-    same values bit for bit as the first step's loss computes (tested), so that the loop holds
-    the only copy of the step and one program serves probed and unprobed calls. Padding rows
-    (the model's "row_mask") are zeroed. With the probe, also Dong et al.'s rank-collapse
-    residual of Attn and Z per layer, over real rows (`probe.collapse_residual`: keys
-    "attn/collapse_residual", "z/collapse_residual").
+    same values bit for bit as the first step's loss computes (tests/test_probe_forward.py), so
+    that the loop holds the only copy of the step and one program serves probed and unprobed
+    calls. Padding rows (the model's "row_mask") are zeroed. With the probe, also Dong et al.'s
+    rank-collapse residual of Attn and Z per layer, over real rows (`probe.collapse_residual`:
+    keys "attn/collapse_residual", "z/collapse_residual").
 
     `runs_per_chunk` > 0 steps the runs that many at a time (`jax.lax.map` over the run axis,
     vmapped within a chunk) instead of all at once: the same results up to float rounding, with

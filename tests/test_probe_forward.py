@@ -56,7 +56,11 @@ def problem(name: str, overrides: dict):
 
 
 @pytest.mark.parametrize(
-    "name, overrides", [("tiny.py", {}), ("sst2.py", SMALL_GPT2)], ids=["transformer", "gpt2"]
+    "name, overrides",
+    [
+        pytest.param("tiny.py", {}, id="transformer"),
+        pytest.param("sst2.py", SMALL_GPT2, id="gpt2", marks=pytest.mark.slow),
+    ],
 )
 def test_the_probed_forward_pass_is_the_steps_own_bit_for_bit(name, overrides):
     fns, state, hp, x, y = problem(name, overrides)

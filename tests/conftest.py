@@ -11,6 +11,8 @@ import tempfile
 # of the suite's time (fast tier 162 s against 209 s, 2 cores, back to back). Programs that a
 # test compares are compiled alike (the tests' subprocesses too); users' runs, `reproduce` and
 # the benchmarks keep XLA's default. RESCONV_TEST_XLA_OPTIMIZE=1 runs the suite at the default.
+# -O0 can hide what optimization rounds differently: a test about such bits runs its programs in
+# subprocesses with XLA_FLAGS cleared (test_train's trajectory-against-log_every test).
 FLAGS = [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]
 if not os.environ.get("RESCONV_TEST_XLA_OPTIMIZE"):
     FLAGS.append("--xla_backend_optimization_level=0")

@@ -95,12 +95,12 @@ def chunk_case(config, repeats: int) -> tuple[float, float, int]:
     """(seconds per step, FLOP per step, steps per chunk) of `config`'s first chunk."""
     program = train.build_program(config)
     steps = config.train.log_every
-    chunk, probe_now = program.runners.compiled, program.runners.probe_now(0)
     state = [program.state]
 
     def call():
-        args = (program.hp, program.x, program.y, jnp.int32(steps), probe_now)
-        state[0], buffers = chunk(state[0], *args)
+        state[0], buffers = program.runners.run(
+            0, state[0], program.hp, program.x, program.y, steps
+        )
         return buffers
 
     return median_seconds(call, repeats) / steps, program.flops, steps

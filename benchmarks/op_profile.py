@@ -132,25 +132,23 @@ def profile_scaling_case(
 ):
     """The ranked ops of one of benchmarks/scaling.py's cases, `steps_per_call` steps per call
     (`scaling.case_config`: the program `train.build_program` makes, without the probe)."""
-    import jax.numpy as jnp
 
     from benchmarks import scaling
     from resconv_jax import train
 
     config = scaling.case_config(model, num_samples, microbatch, steps_per_call)
     program = train.build_program(config)
-    chunk, state = program.runners.compiled, program.state
-    probe_now = program.runners.probe_now(0)
+    state = program.state
 
     def call():
         nonlocal state
-        steps = jnp.int32(steps_per_call)
-        state, buffers = chunk(state, program.hp, program.x, program.y, steps, probe_now)
+        args = (program.hp, program.x, program.y, steps_per_call)
+        state, buffers = program.runners.run(0, state, *args)
         return buffers
 
     for _ in range(2):
         jax.block_until_ready(call())
-    table = ranked_ops(call, chunk.as_text(), steps_per_call, calls, top)
+    table = ranked_ops(call, program.runners.compiled.as_text(), steps_per_call, calls, top)
     return f"scaling case {model}, P={num_samples}, microbatches of {microbatch}: {table}"
 
 

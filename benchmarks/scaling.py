@@ -106,16 +106,13 @@ def run_case(
     """Builds and times one case in this process; the JSON-able record. After a warm-up call of
     one step, at least `repeats` calls of `steps_per_call` steps (and at least MIN_SECONDS)."""
     import jax
-    import jax.numpy as jnp
 
     from resconv_jax import train
 
     program = train.build_program(case_config(model, num_samples, microbatch, steps_per_call))
-    chunk, probe_now = program.runners.compiled, program.runners.probe_now(0)
 
     def call(state, num_steps: int):
-        args = (program.hp, program.x, program.y, jnp.int32(num_steps), probe_now)
-        state, buffers = chunk(state, *args)
+        state, buffers = program.runners.run(0, state, program.hp, program.x, program.y, num_steps)
         jax.block_until_ready(buffers)
         return state, buffers
 

@@ -130,10 +130,7 @@ def run_loop(
             certify = kernel is not None and every and step % every == 0
             if certify:  # the kernel needs the parameters the chunk is about to donate
                 params_at_step = jax.tree.map(jnp.copy, params_at_step)
-            runners = program.runners
-            state, buffers = runners.compiled(
-                state, program.hp, program.x, program.y, jnp.int32(num), runners.probe_now(step)
-            )
+            state, buffers = program.runners.run(step, state, program.hp, program.x, program.y, num)
             buffers = to_host(buffers)
             records = _log_records(settings, buffers, num, evaluated)
             if step < train.step_losses_until:

@@ -127,6 +127,11 @@ class ChunkRunners:
         the last argument of `compiled`."""
         return jnp.bool_(not self.probe_every or step % self.probe_every == 0)
 
+    def run(self, step: int, state, hp, x, y, num_steps: int):
+        """The chunk starting at `step`: `num_steps` steps of `compiled`, probed when
+        `probe_now(step)`; (state, buffers)."""
+        return self.compiled(state, hp, x, y, jnp.int32(num_steps), self.probe_now(step))
+
 
 def _fitting_size(need_at, shard: int, have: int, known: tuple[int, int]) -> int:
     """The largest microbatch size n ≤ `shard` whose chunk is estimated to fit `have` bytes:

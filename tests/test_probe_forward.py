@@ -7,10 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from resconv_jax import train
 from resconv_jax.config_defaults import load_config_file
 from resconv_jax.data import load_dataset
 from resconv_jax.models import build_model
-from resconv_jax.step import _masked, init_opt_state, make_optimizer, make_step_functions
+from resconv_jax.step import _masked, make_optimizer, make_step_functions
 from resconv_jax.sweep import expand_runs, run_settings
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
@@ -45,9 +46,7 @@ def problem(name: str, overrides: dict):
     model = build_model(config.model, dataset)
     runs = expand_runs(config)
     optimizer = make_optimizer(config.optim)
-    params = model.init_runs([r.seed for r in runs])
-    lrs = jnp.asarray([r.lr for r in runs], jnp.float32)
-    state = {"params": params, "opt_state": init_opt_state(optimizer, params, lrs)}
+    state = train.initial_state(model, runs, optimizer)
     fns = make_step_functions(
         model, optimizer, config.optim.reduction, 3, probe=bit_fingerprint,
         loss_kind=config.optim.loss,

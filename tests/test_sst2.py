@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tokenizers
 
 from resconv_jax.data import sst2
 from resconv_jax.data.sst2 import (
@@ -108,6 +109,23 @@ def test_tokenizer_dir_takes_precedence(tmp_path: Path):
     with pytest.raises(SST2DataError, match=r"tokenizer.json: not a tokenizer") as err:
         gpt2_tokenizer(str(tmp_path / "bad"))
     assert "\n" not in str(err.value)
+
+
+def test_padding_and_truncation_saved_in_a_tokenizer_json_are_not_applied(tmp_path: Path):
+    """Hugging Face's fast tokenizers save their last call's padding and truncation in
+    tokenizer.json. Applied, they marked padding as real tokens (the mask all ones, the head
+    reading a pad token) and cut sentences short while the description said "0 truncated"."""
+    saved = tokenizers.Tokenizer.from_str(gpt2_tokenizer().to_str())
+    saved.enable_padding(pad_id=PAD_ID, pad_token="<|endoftext|>", length=32)
+    saved.enable_truncation(max_length=3)
+    saved.save(str(tmp_path / "tokenizer.json"))
+    bundled = load_sst2(cfg_for(num_train=16, max_tokens=64))
+    via_json = load_sst2(cfg_for(num_train=16, max_tokens=64, tokenizer_dir=str(tmp_path)))
+    for name in ("ids_train", "mask_train", "ids_val", "mask_val"):
+        np.testing.assert_array_equal(getattr(via_json, name), getattr(bundled, name))
+    truncated = [s.description.split("; tokenizer")[0] for s in (via_json, bundled)]
+    assert truncated[0] == truncated[1]  # "train 16 rows ... 0 truncated ..."
+    assert bundled.mask_train.sum(axis=1).max() > 3
 
 
 @pytest.mark.parametrize(

@@ -194,10 +194,15 @@ def gpt2_tokenizer(tokenizer_dir: str = "") -> tokenizers.Tokenizer:
     folder = Path(tokenizer_dir)
     if (folder / "tokenizer.json").is_file():
         try:
-            return tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+            tok = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
         except Exception as e:  # tokenizers raises its own Exception type
             problem = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise _in_file(str(folder / "tokenizer.json"), f"not a tokenizer ({problem})") from None
+        # Hugging Face saves its last call's padding and truncation in the file; `tokenize`
+        # pads, masks and truncates to data.max_tokens itself.
+        tok.no_padding()
+        tok.no_truncation()
+        return tok
     if not ((folder / "vocab.json").is_file() and (folder / "merges.txt").is_file()):
         raise _in_file(tokenizer_dir, "no tokenizer.json, nor vocab.json and merges.txt")
     texts = [read_tsv_bytes(folder / n)[0] for n in ("vocab.json", "merges.txt")]

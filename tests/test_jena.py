@@ -242,6 +242,11 @@ def test_missing_file_too_few_rows_and_file_hash(tmp_path: Path, hourly):
         ({"num_train": 0}, "num_train must be -1"),
         ({"num_val": 0}, "num_val must be -1"),  # gave a val_loss of 0.0
         ({"source": "tfds", "sha256": "a" * 64}, "sha256 checks the file of source"),  # ignored
+        # the next four trained on the packaged record (or the file), the path or folder unread
+        ({"source": "bundled"}, r"path is read by source='file' or 'tfds' only; source='bundl"),
+        ({"source": "download"}, r"path is read by source='file' or 'tfds' only"),
+        ({"tfds_data_dir": "/tmp/x"}, r"tfds_data_dir is read by source='tfds' only"),
+        ({"cache_dir": "/tmp/x"}, r"cache_dir is read by source='download' or 'tfds' only"),
     ],
 )
 def test_config_errors(hourly, overrides, problem):

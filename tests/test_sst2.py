@@ -318,6 +318,9 @@ def test_file_source_reads_plain_and_gzip(tmp_path: Path, small_folder: Path):
         ({"seed": -1}, "seed must be an integer >= 0"),
         ({"source": "web"}, "unknown source 'web'"),
         ({"path": ""}, "source='file' needs path"),
+        # the next two trained on the packaged sample, the folder never read
+        ({"source": "bundled"}, r"path is read by source='file' or 'tfds' only; source='bundl"),
+        ({"tfds_data_dir": "/tmp/x"}, r"tfds_data_dir is read by source='tfds' only"),
     ],
 )
 def test_bad_config_gives_one_line_error(small_folder: Path, overrides, match):

@@ -28,7 +28,7 @@ import ml_collections
 import numpy as np
 
 from resconv_jax.data import Dataset
-from resconv_jax.data.formats.fields import int_field, made_folder
+from resconv_jax.data.formats.fields import check_read_by_source, int_field, made_folder
 from resconv_jax.data.formats.jena_csv import (
     BUNDLED_FULL_NAME,
     BUNDLED_NAME,
@@ -65,6 +65,11 @@ JENA_ZIP_NAME = "jena_climate_2009_2016.csv.zip"
 JENA_CSV_GIT_BLOB = "3dc17139ed8afe4f693b3b88cbdd6e3a69e2de0c"
 DOWNLOAD_TIMEOUT_S = 15.0
 SOURCES = ("bundled", "bundled_full", "file", "download", "tfds")
+_READERS = {  # the sources that read them
+    "path": ("file", "tfds"),
+    "cache_dir": ("download", "tfds"),
+    "tfds_data_dir": ("tfds",),
+}
 BUNDLED = {"bundled": BUNDLED_NAME, "bundled_full": BUNDLED_FULL_NAME}
 _WIND_SENTINEL = -9990.0  # wind speeds at or below this are the station's -9999 error code
 _FLAT_RTOL = 1e-6  # train std <= _FLAT_RTOL * (|mean| + 1): (near-)constant, not standardized
@@ -135,6 +140,7 @@ def _check_config(cfg: Any) -> dict[str, Any]:
         )
     if c["source"] == "file" and not c["path"]:
         raise JenaDataError("jena config: source='file' needs path=<jena CSV, .csv.gz or .zip>")
+    check_read_by_source(c, _READERS, error=JenaDataError, label="jena")
     sha = str(c["sha256"]).lower()
     if sha and (len(sha) != 64 or any(ch not in "0123456789abcdef" for ch in sha)):
         raise JenaDataError(f"jena config: sha256 must be 64 hex digits, got {c['sha256']!r}")

@@ -32,7 +32,7 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors
 
 from resconv_jax.data import Dataset
-from resconv_jax.data.formats.fields import int_field, made_folder
+from resconv_jax.data.formats.fields import check_read_by_source, int_field, made_folder
 from resconv_jax.data.formats.sst2_tsv import (
     BUNDLED_DEV,
     BUNDLED_FULL_TRAIN,
@@ -78,6 +78,7 @@ NAME = __name__.rpartition(".")[2]
 EOS_ID = 50256  # GPT-2's <|endoftext|>
 PAD_ID = EOS_ID  # padding id; the mask, not the id, marks padding
 SOURCES = ("bundled", "bundled_full", "file", "tfds")
+_READERS = {"path": ("file", "tfds"), "tfds_data_dir": ("tfds",)}  # the sources that read them
 
 
 _in_file = functools.partial(in_file, SST2DataError)
@@ -134,6 +135,7 @@ def _check_config(cfg: Any) -> dict[str, Any]:
         raise SST2DataError(f"sst2 config: unknown source {c['source']!r}, expected {SOURCES}")
     if c["source"] == "file" and not c["path"]:
         raise SST2DataError("sst2 config: source='file' needs path=<folder: train.tsv, dev.tsv>")
+    check_read_by_source(c, _READERS, error=SST2DataError, label="sst2")
     c["max_tokens"] = _int_field(cfg, "max_tokens", d.max_tokens, 1)
     c["seed"] = _int_field(cfg, "seed", d.seed, 0)
     for key in ("num_train", "num_val"):

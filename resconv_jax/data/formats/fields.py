@@ -27,3 +27,17 @@ def made_folder(folder: str | Path, *, error: type, label: str, field: str) -> P
         reason = e.strerror or type(e).__name__
         raise error(f"{label} config: {field}={folder} cannot be created ({reason})") from None
     return path
+
+
+def check_read_by_source(c: dict[str, Any], readers: dict[str, tuple[str, ...]], *, error, label):
+    """`error` in one line when a field of `c` is set that `c["source"]` does not read (a path
+    given with source='bundled' trained on the packaged data, the path never opened).
+    readers: {field: the sources that read it}."""
+    for field, sources in readers.items():
+        if c[field] and c["source"] not in sources:
+            readers_text = " or ".join(repr(s) for s in sources)
+            raise error(
+                f"{label} config: {field} is read by source={readers_text} only; "
+                f"source={c['source']!r} would not read {str(c[field])!r} (choose the source "
+                f"that reads it, or leave {field} empty)"
+            )

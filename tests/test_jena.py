@@ -281,6 +281,16 @@ def test_bundled_sample_default_config_and_lift():
     assert not np.allclose(load_jena(cfg).x_train, a.x_train)
 
 
+@pytest.mark.parametrize("lift_dim", [10**6, 10**10])
+def test_a_lift_that_cannot_fit_is_one_line_before_it_is_drawn(lift_dim):
+    """Before, numpy's MemoryError: a traceback and exit 1 (at 10**10 drawing the map itself)."""
+    cfg = jena.default_config()
+    cfg.lift_dim = lift_dim
+    with pytest.raises(JenaDataError, match=rf"lift_dim={lift_dim}: the lifted .* needs") as err:
+        load_jena(cfg)
+    assert "\n" not in str(err.value)
+
+
 def test_tfds_builder_gives_the_same_arrays(tmp_path: Path, hourly):
     path, _ = hourly
     data_dir = tmp_path / "tfds"

@@ -45,6 +45,7 @@ from resconv_jax.data.formats.jena_csv import (
     parse_jena_csv,
     read_csv_bytes,
 )
+from resconv_jax.runtime import memory
 
 __all__ = [
     "JENA_URL",
@@ -387,6 +388,19 @@ def _standardize(table: JenaTable, values: np.ndarray, features, bounds):
     return z, t, (mean, std, t_mean, t_std)
 
 
+def _check_lift_fits(lift_dim: int, rows: int, num_features: int) -> None:
+    """JenaDataError (one line) when the lifted record, (rows, lift_dim) float64, and its map,
+    (num_features, lift_dim), cannot fit the host's available memory: before either is drawn."""
+    need = 8 * lift_dim * (rows + num_features)
+    have = memory.host_available_bytes()
+    if have is not None and need > have:
+        raise JenaDataError(
+            f"jena config: lift_dim={lift_dim}: the lifted record alone needs "
+            f"{memory.format_bytes(need)} ({rows} hourly rows × lift_dim float64), more than the "
+            f"{memory.format_bytes(have)} of memory available; use a smaller lift_dim"
+        )
+
+
 def make_splits(table: JenaTable, cfg: Any, source: str = "") -> JenaSplits:
     """Windows from raw records (any source), as described in the module docstring."""
     c = _check_config(cfg)
@@ -413,6 +427,7 @@ def make_splits(table: JenaTable, cfg: Any, source: str = "") -> JenaSplits:
     z, t, (mean, std, t_mean, t_std) = _standardize(table, values, features, bounds)
     lift = None
     if c["lift_dim"]:
+        _check_lift_fits(c["lift_dim"], n, len(features))
         rng = np.random.default_rng(c["lift_seed"])
         lift = rng.standard_normal((len(features), c["lift_dim"])) / np.sqrt(len(features))
         z = z @ lift

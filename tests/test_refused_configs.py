@@ -42,6 +42,15 @@ def test_bad_values_are_refused_before_anything_is_written(tmp_path, overrides, 
     assert not os.path.exists(tmp_path / "w")
 
 
+def test_constant_teacher_targets_are_refused_before_anything_is_written(tmp_path):
+    """A zero readout makes every teacher output 0: y / y.std() was NaN, reported as a divergence
+    with step-size advice (exit 1), with the workdir and its checkpoints left behind."""
+    config = tiny(**{"data.target": "teacher", "model.transformer.head_scale": 0.0})
+    with pytest.raises(ConfigError, match=r"data.target='teacher': the teacher's outputs are all"):
+        train.run(config, str(tmp_path / "w"))
+    assert not os.path.exists(tmp_path / "w")
+
+
 def test_a_step_that_cannot_fit_is_refused_before_anything_is_written(tmp_path, monkeypatch):
     from resconv_jax.runtime import memory
 

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from resconv_jax.by_name import import_named, modules_providing
+from resconv_jax.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,10 +53,20 @@ class Dataset:
 
     def with_teacher_targets(self, model, settings) -> Dataset:
         """Targets Y_p = F_teacher(X_p) of `model` (a `models.Model`) at parameters drawn from
-        `teacher_seed` and its `settings` (`models.RunSettings`), rescaled to unit variance."""
+        `teacher_seed` and its `settings` (`models.RunSettings`), rescaled to unit variance.
+        ConfigError when they cannot be: all equal (a readout initialized at zero) or not
+        finite."""
         params = model.init(self.teacher_seed)
         y = np.asarray(jax.jit(lambda p, x: model.apply(p, x, settings))(params, self.x_train))
-        return dataclasses.replace(self, y_train=y / y.std(), teacher_seed=None)
+        spread = float(y.std())
+        if not (np.isfinite(spread) and spread > 0):
+            problem = "all equal" if spread == 0 else f"not finite (std {spread})"
+            raise ConfigError(
+                f"config.data.target='teacher': the teacher's outputs are {problem}, so they "
+                "cannot be scaled to unit variance (a readout initialized at zero gives all "
+                "zeros); use data.target='gaussian' or a model whose readout is not zero at init"
+            )
+        return dataclasses.replace(self, y_train=y / spread, teacher_seed=None)
 
 
 @functools.cache

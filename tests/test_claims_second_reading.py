@@ -71,6 +71,23 @@ def test_5a_second_reading_fails_when_larger_beta_is_slower(tmp_path):
     assert "10,000 draws" in row.value  # 120^10 permutations: drawn, and it says so
 
 
+@pytest.mark.parametrize("slope", [-50, 50], ids=["faster", "slower"])
+def test_5a_second_reading_from_one_seed_is_undecided(tmp_path, slope):
+    """Every resample of one seed is that seed: the interval had no width and the power was 0 or
+    1, so one seed gave "holds" (or "fails") with power 1.00."""
+    start = np.random.default_rng(5).uniform(1, 2, 5)
+    row = descent.jena_descent_fixed_start(
+        _descent_dir(
+            tmp_path / "a",
+            lambda b, s: 100 + slope * b,
+            lambda b, s: start[int(4 * b)],
+            seeds=[7],
+        )  # fmt: skip
+    )
+    assert row.verdict == claims.UNDECIDED, row
+    assert row.value.count("[no interval]") == 2 and "power nan" in row.value, row
+
+
 def test_5a_second_reading_when_no_run_reached_the_level_says_so_as_5a_does(tmp_path):
     start = np.random.default_rng(4).uniform(1, 2, (5, 3))
     folder = _descent_dir(tmp_path / "a", lambda b, s: np.nan, lambda b, s: start[int(4 * b), s])

@@ -183,6 +183,20 @@ def test_the_cluster_bootstrap_interval_covers_a_known_mean_about_95_percent_of_
     assert 0.85 <= covered / 120 <= 1.0  # binomial sd at 95 %: 2 %
 
 
+def test_one_cluster_gives_no_interval_and_no_power():
+    """Every resample of one cluster is that cluster: a zero-width interval and a power of 0 or
+    1 are artefacts, not evidence."""
+    rows = [{"seed": 3, "x": b, "y": -b} for b in range(5)]
+
+    def p_value(sample):
+        x, y, strata = (np.array([r[k] for r in sample]) for k in ("x", "y", "seed"))
+        return st.permutation_test(st.pooled_tau, x, y, strata, alternative="less").p_value
+
+    low, high = st.cluster_bootstrap(lambda s: float(np.mean([r["y"] for r in s])), rows, "seed")
+    assert math.isnan(low) and math.isnan(high)
+    assert math.isnan(st.bootstrap_power(p_value, rows, "seed", draws=5))
+
+
 def test_a_cluster_resample_keeps_each_cluster_whole_and_relabels_repeats():
     rows = [{"seed": s, "run": r} for s in (7, 8, 9) for r in range(4)]
     for sample in st.cluster_resamples(rows, "seed", draws=20, seed=0):

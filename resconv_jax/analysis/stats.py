@@ -283,6 +283,10 @@ def partial_tau(x, y, z) -> float:
     return (t_xy - t_xz * t_yz) / denominator if denominator > 0 else math.nan
 
 
+def _clusters(rows: list[dict], cluster: str) -> int:
+    return len({row[cluster] for row in rows})
+
+
 def cluster_resamples(rows: list[dict], cluster: str, draws: int, seed: int):
     """`draws` resamples of `rows`, each as many whole clusters (the rows sharing `cluster`,
     e.g. a seed) as there are, drawn with replacement; a cluster drawn twice enters twice, under
@@ -298,7 +302,10 @@ def cluster_resamples(rows: list[dict], cluster: str, draws: int, seed: int):
 def cluster_bootstrap(statistic, rows: list[dict], cluster: str, *, draws: int | None = None,
                       level: float = 0.95, seed: int = 0) -> tuple[float, float]:  # fmt: skip
     """Percentile interval of `statistic(rows)` over `cluster_resamples`; resamples whose
-    statistic is NaN are left out; `draws` resamples (BOOTSTRAP_DRAWS)."""
+    statistic is NaN are left out; `draws` resamples (BOOTSTRAP_DRAWS). NaN from fewer than two
+    clusters (every resample of one cluster is that cluster)."""
+    if _clusters(rows, cluster) < 2:
+        return math.nan, math.nan
     draws = BOOTSTRAP_DRAWS if draws is None else draws
     values = np.array([statistic(s) for s in cluster_resamples(rows, cluster, draws, seed)])
     values = values[np.isfinite(values)]
@@ -314,7 +321,9 @@ def bootstrap_power(p_value, rows: list[dict], cluster: str, *, alpha: float = 0
     """The power of a test at the observed effect, estimated as the fraction of
     `cluster_resamples` on which `p_value(rows)` < alpha: how often a rerun with as many
     clusters from the same population would reach significance; `draws` resamples
-    (POWER_RESAMPLES)."""
+    (POWER_RESAMPLES). NaN from fewer than two clusters."""
+    if _clusters(rows, cluster) < 2:
+        return math.nan
     draws = POWER_RESAMPLES if draws is None else draws
     resamples = cluster_resamples(rows, cluster, draws, seed)
     return sum(p_value(sample) < alpha for sample in resamples) / draws

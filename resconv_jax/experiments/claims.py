@@ -82,6 +82,12 @@ def has_interval(interval: tuple[float, float]) -> bool:
     return all(map(math.isfinite, interval))
 
 
+def interval_text(interval: tuple[float, float]) -> str:
+    """'[low, high]', signed, to two decimals; '[no interval]' when it was not computed."""
+    low, high = interval
+    return f"[{low:+.2f}, {high:+.2f}]" if has_interval(interval) else "[no interval]"
+
+
 def decided(ok: bool, interval: tuple[float, float], threshold: float,
             power: float | None = None, *, claimed: str) -> str:  # fmt: skip
     """The second reading's verdict (docs/protocol.md): "undecided" when `interval` spans

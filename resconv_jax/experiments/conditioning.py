@@ -266,11 +266,10 @@ def rate_vs_conditioning_within_beta(workdir, alpha: float = 0.05, min_ratio: fl
     for dim in sorted({r["dim"] for r in rows}):
         same = [r for r in rows if r["dim"] == dim]
         z, k = within_beta(same), within_beta(same, "eta_lambda_min_init", power=False)
-        (low, high), t = z["interval"], z["test"]
-        values.append(f"d={dim}: ρ={t.observed:+.3f} [{low:+.2f}, {high:+.2f}], "
+        t, kt = z["test"], k["test"]
+        values.append(f"d={dim}: ρ={t.observed:+.3f} {claims.interval_text(z['interval'])}, "
                       f"{t.describe()}, power {z['power']:.2f}")  # fmt: skip
-        (k_low, k_high), kt = k["interval"], k["test"]
-        notes.append(f"d={dim}: ρ={kt.observed:+.3f} [{k_low:+.2f}, {k_high:+.2f}], "
+        notes.append(f"d={dim}: ρ={kt.observed:+.3f} {claims.interval_text(k['interval'])}, "
                      f"p = {kt.p_value:.2g}")  # fmt: skip
         if over_pm.get(dim, 0) >= min_ratio:
             ok = t.observed > 0 and t.p_value < alpha

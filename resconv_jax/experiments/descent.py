@@ -329,10 +329,12 @@ def jena_descent_fixed_start(workdir, alpha: float = 0.05, replication: bool = F
     o = fixed_start_ordering(rows)
     if not np.isfinite(o["test"].observed):
         return dataclasses.replace(claim, note="too few runs reached the level")
-    (tau_low, tau_high), (low, high) = o["tau_interval"], o["partial_interval"]
+    tau_interval, partial_interval = map(
+        claims.interval_text, (o["tau_interval"], o["partial_interval"])
+    )
     value = (
-        f"τ = {o['test'].observed:+.3f} [{tau_low:+.2f}, {tau_high:+.2f}], {o['test'].describe()}; "
-        f"partial τ | L_0 = {o['partial_tau']:+.3f} [{low:+.2f}, {high:+.2f}]; "
+        f"τ = {o['test'].observed:+.3f} {tau_interval}, {o['test'].describe()}; "
+        f"partial τ | L_0 = {o['partial_tau']:+.3f} {partial_interval}; "
         f"power {o['power']:.2f} ({o['runs']} runs)"
     )
     ok = o["test"].observed < 0 and o["test"].p_value < alpha and o["partial_tau"] < 0
@@ -340,8 +342,8 @@ def jena_descent_fixed_start(workdir, alpha: float = 0.05, replication: bool = F
     note = (
         f"τ(L_0, steps) = {o['l0_tau']:+.3f}; the alternative at 0.5·L_0: τ = "
         f"{alternative['test'].observed:+.3f}, {alternative['test'].describe()}, partial τ | L_0 "
-        f"= {alternative['partial_tau']:+.3f} [{alternative['partial_interval'][0]:+.2f}, "
-        f"{alternative['partial_interval'][1]:+.2f}]"
+        f"= {alternative['partial_tau']:+.3f} "
+        f"{claims.interval_text(alternative['partial_interval'])}"
     )
     verdict = claims.decided(ok, o["partial_interval"], 0.0, o["power"], claimed="below")
     return dataclasses.replace(claim, value=value, verdict=verdict, note=note)

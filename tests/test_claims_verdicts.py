@@ -30,16 +30,37 @@ def _summary(folder, runs, config=None):
 
 
 def test_linear_convergence_holds_only_when_every_beta_fits(tmp_path):
-    good = _summary(tmp_path / "a", [{"beta_attn": b, "rate_r2": 0.995} for b in (0, 1)])
-    bad = _summary(
-        tmp_path / "b", [{"beta_attn": 0, "rate_r2": 0.995}, {"beta_attn": 1, "rate_r2": 0.9}]
+    good = _summary(
+        tmp_path / "a", [{"beta_attn": b, "rate": 0.9, "rate_r2": 0.995} for b in (0, 1)]
     )
+    bad = _summary(
+        tmp_path / "b",
+        [{"beta_attn": 0, "rate": 0.9, "rate_r2": 0.995},
+         {"beta_attn": 1, "rate": 0.9, "rate_r2": 0.9}],
+    )  # fmt: skip
     assert convergence.linear_convergence(good).verdict == claims.HOLDS
     row = convergence.linear_convergence(bad)
     assert row.verdict == claims.FAILS and "β=1: 0.9000" in row.value
     missing = convergence.linear_convergence(None)
     assert missing.verdict == claims.NOT_RUN and missing.note == "experiment not run"
     assert "summary.json missing" in convergence.linear_convergence(str(tmp_path / "c")).note
+
+
+@pytest.mark.parametrize("rate", [1.005, 1.0], ids=["growing", "constant"])
+def test_a_straight_log_loss_that_does_not_fall_is_not_linear_convergence(tmp_path, rate):
+    """R² alone passed a finite run whose loss grew by 1.005 per step (R² 1.0000) or stayed
+    put: rows 1, 4 and 4b also need the fitted ρ below 1."""
+    runs = [{"beta_attn": 0, "rate": 0.9, "rate_r2": 0.995},
+            {"beta_attn": 1, "rate": rate, "rate_r2": 1.0}]  # fmt: skip
+    row = convergence.linear_convergence(_summary(tmp_path / "a", runs))
+    assert row.verdict == claims.FAILS and f"β=1: fitted ρ = {rate:.5f} ≥ 1" in row.note, row
+    cells = [{"num_layers": L, "beta_attn": b, "beta_ffn": b, "rate": rate if (L, b) == (2, 1)
+              else 0.9, "rate_r2": 1.0} for L in (1, 2) for b in (0, 1)]  # fmt: skip
+    (tmp_path / "d").mkdir()
+    write_csv(tmp_path / "d" / "depth_runs.csv", cells)
+    for small_branches in (False, True):
+        row = depth.multilayer(str(tmp_path / "d"), small_branches=small_branches)
+        assert row.verdict == claims.FAILS and f"fitted ρ = {rate:.5f} ≥ 1" in row.note, row
 
 
 def _table(rho_square, rho_wide):
@@ -158,7 +179,8 @@ def test_the_certificate_row_gives_its_margin_and_the_largest_eta_lambda_max(tmp
 
 def test_multilayer_needs_every_depth(tmp_path):
     values = ((1, 0, 0.999), (1, 1, 0.995), (2, 0, 0.97), (2, 1, 0.999))
-    rows = [{"num_layers": L, "beta_attn": b, "beta_ffn": b, "rate_r2": r2} for L, b, r2 in values]
+    rows = [{"num_layers": L, "beta_attn": b, "beta_ffn": b, "rate": 0.9, "rate_r2": r2}
+            for L, b, r2 in values]  # fmt: skip
     (tmp_path / "a").mkdir()
     write_csv(tmp_path / "a" / "depth_runs.csv", rows)
     row = depth.multilayer(str(tmp_path / "a"))

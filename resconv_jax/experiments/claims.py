@@ -82,6 +82,15 @@ def has_interval(interval: tuple[float, float]) -> bool:
     return all(map(math.isfinite, interval))
 
 
+def not_falling_note(names: list[str], rates: list[float]) -> str:
+    """'NAME: fitted ρ = 1.00500 ≥ 1 (the loss does not fall), …' for the runs (or cells) whose
+    fitted per-step factor is not below 1; '' when there are none."""
+    return ", ".join(
+        f"{name}: fitted ρ = {rate:.5f} ≥ 1 (the loss does not fall)"
+        for name, rate in zip(names, rates, strict=True)
+    )
+
+
 def interval_text(interval: tuple[float, float]) -> str:
     """'[low, high]', signed, to two decimals; '[no interval]' when it was not computed."""
     low, high = interval

@@ -242,8 +242,32 @@ def _deepest(config) -> int:
     return max(config.sweep.num_layers, default=config.model.num_layers)
 
 
-def _build(config, parts: _Parts, runs) -> Program:
-    """Places data and state on the mesh, compiles the chunks, refuses what cannot fit."""
+def _recorded_kernel_lrs(config, workdir: epath.Path, runs) -> tuple[list, bool]:
+    """(runs, True) with the step sizes that lr_rule=lambda_max chose at the run's first start,
+    read from its runs.json, so that a resume keeps them: computed again, on another device count
+    or microbatch size, λ_max differs in its last bits, and every metrics line and checkpoint of
+    the run would look like another run's. (runs, False) when there is no such record."""
+    if config.optim.lr_rule != "lambda_max":
+        return runs, False
+
+    def without_lr(settings: dict) -> dict:
+        return {k: v for k, v in settings.items() if k != "lr"}
+
+    try:
+        recorded = json.loads((workdir / RUNS_FILE).read_text())
+        same = [without_lr(r) for r in recorded] == [without_lr(run.settings()) for run in runs]
+    except (OSError, ValueError, TypeError, AttributeError):  # none, torn, or not a list of runs
+        return runs, False
+    if not same:
+        return runs, False
+    return [
+        dataclasses.replace(run, lr=r["lr"]) for run, r in zip(runs, recorded, strict=True)
+    ], True
+
+
+def _build(config, parts: _Parts, runs, lrs_recorded: bool = False) -> Program:
+    """Places data and state on the mesh, compiles the chunks, refuses what cannot fit.
+    lrs_recorded: lr_rule=lambda_max's step sizes are already those of `runs`."""
     dataset, mesh, model = parts.dataset, parts.mesh, parts.model
     num_outputs, num_params = parts.num_outputs, parts.num_params
     put_data = functools.partial(sharding.put_tree, sharding=sharding.data_sharding(mesh))
@@ -305,7 +329,7 @@ def _build(config, parts: _Parts, runs) -> Program:
             max_entries=config.certificate.max_jacobian_entries,
             iterations=config.certificate.lanczos_iterations,
         )
-    if config.optim.lr_rule == "lambda_max":  # the same shapes: the chunks stay as compiled
+    if config.optim.lr_rule == "lambda_max" and not lrs_recorded:  # the chunks stay as compiled
         runs = with_kernel_lrs(config.optim.lr_factor, runs, kernel, params, hp, x)
         state = sharding.put_tree(_state(params, runs, optimizer), on_runs)
 
@@ -407,6 +431,7 @@ def _run_locked(config, workdir: epath.Path, dataset, runs) -> list[dict]:
     """`run` once the workdir is locked, for `runs` of one shape: checks, restore, the step loop,
     the summary."""
     config_json = _check_resumable(config, workdir)
+    runs, lrs_recorded = _recorded_kernel_lrs(config, workdir, runs)
     parts = _parts(config, dataset, runs)
     dataset = parts.dataset
     train = config.train
@@ -417,7 +442,7 @@ def _run_locked(config, workdir: epath.Path, dataset, runs) -> list[dict]:
         use_async=train.async_checkpoints,
     )
     try:
-        program = _build(config, parts, runs)
+        program = _build(config, parts, runs, lrs_recorded)
         _stop_before_training("compiling")
         if jax.process_index() == 0:
             write_json(workdir / CONFIG_FILE, config_json)

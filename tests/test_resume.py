@@ -208,3 +208,43 @@ def test_a_finished_run_is_reported_again_without_building_anything(tmp_path, ca
     (tmp_path / "run" / "summary.json").unlink()
     experiments.run_task(config, "run", reuse_finished=True)
     assert len(calls) == 1 and (tmp_path / "run" / "summary.json").exists()
+
+
+def test_a_lambda_max_run_resumes_with_the_step_sizes_it_started_with(
+    tmp_path, capsys, monkeypatch
+):
+    """lr_rule=lambda_max computed each run's η again at every start; with another microbatch
+    size (a resumable change) or device count its last bits moved (0.0023103998973965645 against
+    0.002310400130227208), every metrics line looked foreign, and the resume deleted every
+    checkpoint and trained again from step 0. The last bits are moved here by hand: the suite's
+    -O0 happens to compute the same η."""
+    import dataclasses
+    import json
+
+    import numpy as np
+
+    first = {
+        "optim.lr_rule": "lambda_max",
+        "optim.lr_factor": 0.5,
+        "train.num_steps": 20,
+        "train.checkpoint_every": 10,
+        "train.async_checkpoints": False,
+    }
+    train.run(load_config_file(TINY, **first), str(tmp_path))
+    lrs = [run["lr"] for run in json.loads((tmp_path / "runs.json").read_text())]
+    before = [line for line in (tmp_path / METRICS_FILE).read_text().splitlines()
+              if json.loads(line)["step"] < 20]  # fmt: skip
+    capsys.readouterr()
+    recompute = train.with_kernel_lrs
+
+    def last_bits_moved(*args):
+        return [dataclasses.replace(run, lr=float(np.nextafter(run.lr, 1.0)))
+                for run in recompute(*args)]  # fmt: skip
+
+    monkeypatch.setattr(train, "with_kernel_lrs", last_bits_moved)
+    train.run(load_config_file(TINY, **(first | {"train.num_steps": 40})), str(tmp_path))
+    printed = capsys.readouterr().out
+    assert "resuming from step 20" in printed and "restarts from step 0" not in printed, printed
+    assert [run["lr"] for run in json.loads((tmp_path / "runs.json").read_text())] == lrs
+    assert (tmp_path / METRICS_FILE).read_text().splitlines()[: len(before)] == before
+    assert Checkpointer(tmp_path, every=10, keep=3, use_async=False).steps() == [20, 30, 40]

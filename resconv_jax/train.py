@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 import time
 
 import jax
@@ -124,29 +125,43 @@ def _saved_config(workdir: epath.Path) -> tuple[dict | None, str]:
     )
 
 
-def _check_resumable(config, workdir: epath.Path) -> dict:
+def _check_resumable(config, workdir: epath.Path, *, sweep: bool = False) -> dict:
     """`config` as JSON, once checked against the run that `workdir` holds, if any: ConfigError
-    for another config or a run past train.num_steps. Writes nothing."""
+    for another config or a run past train.num_steps. `sweep`: `workdir` is the top folder of a
+    depth or width sweep, whose groups check their own config.json. Writes nothing."""
     config_json = json.loads(config.to_json_best_effort())
     saved, where = _saved_config(workdir)
     if saved is not None:
         check_same_run(workdir, saved, config_json, where, base_config_json())
     else:
-        _refuse_other_files(workdir)
+        _refuse_other_files(workdir, sweep)
     refuse_fewer_steps(config, [workdir])
     return config_json
 
 
-def _refuse_other_files(workdir: epath.Path) -> None:
-    """ConfigError for a folder without a run of main's (no config.json, no checkpoint, no
-    depth group holding its own) that holds what a start would overwrite or mix with: a
-    metrics.jsonl, a reproduce folder."""
+_GROUP_FOLDER = re.compile(r"layers_\d+(_dim_\d+)?|dim_\d+")  # `group_folder`'s names
+
+
+def _refuse_other_files(workdir: epath.Path, sweep: bool) -> None:
+    """ConfigError for a folder without a run of main's (no config.json, no checkpoint) that
+    holds what a start would overwrite or mix with: a metrics.jsonl (unless, for a `sweep`,
+    beside the groups of a sweep, each with its config.json), a reproduce folder, or, for one
+    run, the groups of a sweep."""
     if wd.is_reproduce_folder(workdir):
         raise ConfigError(
             f"--workdir={workdir} is a reproduce folder (REPORT.md): give main a folder of its own"
         )
-    groups = (p for p in workdir.iterdir() if p.is_dir()) if workdir.exists() else ()
-    if (workdir / METRICS_FILE).exists() and not any((g / CONFIG_FILE).exists() for g in groups):
+    folders = [p for p in workdir.iterdir() if p.is_dir()] if workdir.exists() else []
+    groups = sorted(
+        p.name for p in folders if _GROUP_FOLDER.fullmatch(p.name) and (p / CONFIG_FILE).exists()
+    )
+    if groups and not sweep:
+        raise ConfigError(
+            f"--workdir={workdir} holds the runs of a sweep ({', '.join(groups)}) without its "
+            f"{CONFIG_FILE}: rerun that sweep's command (each group's {CONFIG_FILE} is checked) "
+            "or use a new --workdir"
+        )
+    if (workdir / METRICS_FILE).exists() and not groups:
         raise ConfigError(
             f"--workdir={workdir} holds a {METRICS_FILE} but neither {CONFIG_FILE} nor a "
             "checkpoint, so no run this can resume; use a new --workdir, or remove the file"
@@ -363,7 +378,7 @@ def _run_groups(config, workdir: epath.Path, dataset, groups) -> list[dict]:
     """A sweep over depths or widths: each shape's runs are one program, trained in
     WORKDIR/layers_<L> or dim_<d> (`group_folder`: checkpoints, metrics, summary; resumable on
     its own), one after another; WORKDIR gets the merged metrics.jsonl and summary.json."""
-    config_json = _check_resumable(config, workdir)
+    config_json = _check_resumable(config, workdir, sweep=True)
     for shape, _ in groups:  # every shape's folder too, before anything is written
         _check_resumable(group_config(config, shape), workdir / group_folder(shape))
     if jax.process_index() == 0:

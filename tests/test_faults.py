@@ -299,6 +299,38 @@ def test_a_folder_of_other_files_is_not_trained_over(tmp_path, leftover, expecte
     assert (tmp_path / leftover).read_text() == '{"step": 1, "loss": 2}\n'
 
 
+def test_a_folder_of_other_files_with_a_config_json_below_is_not_trained_over(tmp_path):
+    """Any subfolder holding a config.json (a Hugging Face model's, say) let a start overwrite a
+    metrics.jsonl that main did not write."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2}\n')
+    (tmp_path / "hf_model").mkdir()
+    (tmp_path / "hf_model" / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="holds a metrics.jsonl but neither config.json nor a"):
+        train.run(tiny(), str(tmp_path))
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 2}\n'
+
+
+def test_a_depth_sweep_without_its_config_json_is_not_taken_over_by_one_run(tmp_path):
+    """Its config.json lost, a sweep's folder was trained over by any single-run config: the
+    merged metrics.jsonl and summary.json overwritten, and the sweep's own command then refused
+    as another config. Its command still resumes it."""
+    sweep = tiny(**{"sweep.num_layers": (1, 2), "train.num_steps": 10, "optim.lr": 1e-3})
+    train.run(sweep, str(tmp_path))
+    (tmp_path / "config.json").unlink()
+
+    def files():
+        return {
+            p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file() and p.name != ".lock"
+        }
+
+    before = files()
+    with pytest.raises(ConfigError, match=r"holds the runs of a sweep \(layers_1, layers_2\)"):
+        train.run(tiny(**{"train.num_steps": 10, "optim.lr": 2e-3}), str(tmp_path))
+    assert files() == before
+    train.run(sweep, str(tmp_path))
+    assert (tmp_path / "config.json").exists()
+
+
 def test_no_readable_checkpoint_says_the_run_restarts(tmp_path, reference, capsys):
     partial_run(tmp_path)
     for step in (10, 20, 30):

@@ -10,7 +10,7 @@ import pytest
 
 from resconv_jax import finished, train
 from resconv_jax.config_defaults import load_config_file
-from resconv_jax.errors import ConfigError, TrainingDiverged, WorkdirBusy
+from resconv_jax.errors import ConfigError, TrainingDiverged, WorkdirBusy, WorkdirWriteError
 from resconv_jax.experiments import experiment_list
 from resconv_jax.reproducing.outcomes import finished_before
 from resconv_jax.runtime.checkpoint import Checkpointer
@@ -181,3 +181,33 @@ def test_a_finished_run_without_its_last_checkpoint_is_resumed_not_reused(tmp_pa
     train.run(config, workdir)
     assert metrics_lines(workdir) == finished_lines
     assert finished.why_unfinished(config, workdir) is None
+
+
+def test_a_checkpoint_still_being_written_is_not_named_as_saved(tmp_path, monkeypatch):
+    """With async saves, Orbax lists a save in flight among its steps: a disk that filled during
+    it stopped the run with "last checkpoint: step 60" when only 50 was on disk, and a
+    background save of step 50 that failed was reported as the save of step 60."""
+    import errno
+
+    import jax.numpy as jnp
+
+    checkpointer = Checkpointer(tmp_path, every=10, keep=5, use_async=True)
+    state = {"w": jnp.arange(4.0)}
+    try:
+        checkpointer.save(10, state, {"step": 10}, force=True)
+        checkpointer.wait()
+        checkpointer.save(20, state, {"step": 20}, force=True)
+        checkpointer.wait()
+        manager = checkpointer._manager
+        monkeypatch.setattr(manager, "is_saving_in_progress", lambda: True)  # 20 in flight
+        assert checkpointer.steps() == [10] and checkpointer.latest_step() == 10
+
+        def disk_full():
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(manager, "wait_until_finished", disk_full)
+        with pytest.raises(WorkdirWriteError, match=r"checkpoint of step 20 .*No space left"):
+            checkpointer.save(30, state, {"step": 30}, force=True)
+    finally:
+        monkeypatch.undo()
+        checkpointer.close()

@@ -191,8 +191,17 @@ class Checkpointer:
             ) from None
 
     def steps(self) -> list[int]:
-        """Steps of the finished checkpoints on disk, ascending."""
-        return sorted(self._manager.all_steps())
+        """Steps of the finished checkpoints on disk, ascending (Orbax also lists the newest
+        while a background save still writes it: left out then)."""
+        steps = sorted(self._manager.all_steps())
+        return steps[:-1] if self._writing() is not None else steps
+
+    def _writing(self) -> int | None:
+        """The step a background save is still writing, or None."""
+        if not self._manager.is_saving_in_progress():
+            return None
+        steps = self._manager.all_steps()
+        return max(steps) if steps else None
 
     def latest_step(self) -> int | None:
         """The latest finished checkpoint's step, or None."""
@@ -211,6 +220,14 @@ class Checkpointer:
             self.on_save(step)
         meta = meta | {"digest": state_digest(state)}
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+        if (writing := self._writing()) is not None:  # Orbax waits for it first: its failure
+            try:  # is that step's, not this one's
+                self._manager.wait_until_finished()
+            except Exception as error:  # noqa: BLE001 - Orbax wraps I/O failures in several types
+                raise WorkdirWriteError(
+                    f"cannot save the checkpoint of step {writing} in {self.directory} "
+                    f"({_first_line(error)})"
+                ) from None
         try:
             return self._manager.save(step, args=args, force=force)
         except Exception as error:  # noqa: BLE001 - Orbax wraps I/O failures in several types

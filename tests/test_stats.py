@@ -116,6 +116,19 @@ def test_the_exact_stratified_permutation_p_equals_enumeration(alternative):
     assert result.observed == pytest.approx(stats.kendalltau(x, y).statistic, abs=1e-12)
 
 
+@pytest.mark.parametrize(("alternative", "opposite"), [("less", "greater"), ("greater", "less")])
+def test_a_one_sided_test_also_gives_the_p_of_the_opposite_direction(alternative, opposite):
+    x = np.array([0.0, 0.5, 1.0, 0.0, 0.5, 1.0, 1.0, 0.0, 0.5, 1.0, 1.0])
+    strata = np.repeat([0, 1, 2], [3, 4, 4])
+    y = np.array([9, 7, 8, 6, 6, 4, 2, 3, 3, 1, 0], float)
+    for draws in ({}, {"max_exact": 10, "draws": 3000}):
+        one = st.permutation_test(st.pooled_tau, x, y, strata, alternative=alternative, **draws)
+        other = st.permutation_test(st.pooled_tau, x, y, strata, alternative=opposite, **draws)
+        assert one.p_opposite == other.p_value and other.p_opposite == one.p_value
+    two = st.permutation_test(st.pooled_tau, x, y, strata, alternative="two-sided")
+    assert math.isnan(two.p_opposite)
+
+
 def test_drawn_permutations_approach_the_exact_p_and_say_so():
     x, strata = np.tile([0.0, 1, 2, 3], 3), np.repeat([0, 1, 2], 4)
     y = np.random.default_rng(0).normal(size=12) - 0.4 * x
@@ -234,3 +247,13 @@ def test_bootstrap_power_is_high_for_a_strong_effect_and_low_for_none():
 )
 def test_three_way_verdicts(ok, interval, power, expected):
     assert claims.decided(ok, interval, 0.0, power, claimed="below") == expected
+
+
+@pytest.mark.parametrize(("opposite_p", "expected"), [(0.01, "fails"), (0.2, "undecided")])
+def test_fails_needs_the_test_against_the_claim_to_be_significant(opposite_p, expected):
+    """With 3 seeds a seed bootstrap has 10 distinct resamples: with no association at all its
+    interval lay wholly against the claim in 16 % of simulated sweeps, so the interval alone
+    said "fails" far more often than a 95 % interval promises."""
+    interval = (0.1, 0.4)  # wholly above 0, the claim being "below"
+    verdict = claims.decided(False, interval, 0.0, 0.0, claimed="below", opposite_p=opposite_p)
+    assert verdict == expected

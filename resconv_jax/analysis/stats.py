@@ -160,13 +160,15 @@ def counts(**values: int):
 class PermutationTest:
     """A stratified permutation test: the observed statistic, its p-value for `alternative`
     ("less", "greater" or "two-sided"), and whether p counts every permutation (`exact`) or
-    `count` random ones (p = (hits + 1) / (count + 1))."""
+    `count` random ones (p = (hits + 1) / (count + 1)). p_opposite: for a one-sided test, the
+    p of the other direction over the same permutations (NaN for a two-sided one)."""
 
     observed: float
     p_value: float
     count: int
     exact: bool
     alternative: str
+    p_opposite: float = math.nan
 
     def describe(self) -> str:
         how = f"exact over {self.count:,}" if self.exact else f"{self.count:,} draws"
@@ -216,19 +218,22 @@ def permutation_test(statistic, x, y, strata, *, alternative: str = "two-sided",
     exact = permutation_count(strata) <= max_exact
     if not math.isfinite(observed):
         return PermutationTest(observed, math.nan, 0, exact, alternative)
-    hits = count = 0
     tolerance = 1e-12 * max(1.0, abs(observed))
+    hits = {"less": 0, "greater": 0, "two-sided": 0}
+    count = 0
     for xs in _within_strata(x, strata, max_exact=max_exact, draws=draws, seed=seed):
         values = statistic(xs, y, strata)
-        if alternative == "less":
-            hits += int(np.sum(values <= observed + tolerance))
-        elif alternative == "greater":
-            hits += int(np.sum(values >= observed - tolerance))
-        else:
-            hits += int(np.sum(np.abs(values) >= abs(observed) - tolerance))
+        hits["less"] += int(np.sum(values <= observed + tolerance))
+        hits["greater"] += int(np.sum(values >= observed - tolerance))
+        hits["two-sided"] += int(np.sum(np.abs(values) >= abs(observed) - tolerance))
         count += len(values)
-    p = hits / count if exact else (hits + 1) / (count + 1)
-    return PermutationTest(observed, float(p), count, exact, alternative)
+
+    def p_of(direction: str) -> float:
+        return float(hits[direction] / count if exact else (hits[direction] + 1) / (count + 1))
+
+    opposite = {"less": "greater", "greater": "less"}.get(alternative)
+    p_opposite = p_of(opposite) if opposite else math.nan
+    return PermutationTest(observed, p_of(alternative), count, exact, alternative, p_opposite)
 
 
 def pooled_tau(xs: np.ndarray, y: np.ndarray, strata=None) -> np.ndarray:

@@ -97,17 +97,35 @@ def interval_text(interval: tuple[float, float]) -> str:
     return f"[{low:+.2f}, {high:+.2f}]" if has_interval(interval) else "[no interval]"
 
 
+def against_claim(interval: tuple[float, float], threshold: float, claimed: str) -> bool:
+    """Whether `interval` lies wholly on the other side of `threshold` than the `claimed` one."""
+    low, high = interval
+    return has_interval(interval) and (high < threshold if claimed == "above" else low > threshold)
+
+
+def against_text(test, interval: tuple[float, float], threshold: float, claimed: str) -> str:
+    """', against the claim: greater p = 0.039' (the one-sided `test`'s p in the opposite
+    direction, which decides "fails") when `interval` lies against the claim, else ''."""
+    if not against_claim(interval, threshold, claimed):
+        return ""
+    opposite = {"less": "greater", "greater": "less"}[test.alternative]
+    return f", against the claim: {opposite} p = {test.p_opposite:.2g}"
+
+
 def decided(ok: bool, interval: tuple[float, float], threshold: float,
-            power: float | None = None, *, claimed: str) -> str:  # fmt: skip
+            power: float | None = None, *, claimed: str, opposite_p: float | None = None,
+            alpha: float = 0.05) -> str:  # fmt: skip
     """The second reading's verdict (docs/protocol.md): "undecided" when `interval` spans
-    `threshold` (or is NaN); "fails" when it lies wholly on the other side than the `claimed`
-    one ("below" or "above"); on the claimed side, "holds" when `ok` (the row's test) and the
-    power at the observed effect is at least 0.8, else "undecided"."""
+    `threshold` (or is NaN); when it lies wholly on the other side than the `claimed` one
+    ("below" or "above"), "fails" if the row's one-sided test in the opposite direction has
+    `opposite_p` < `alpha` (rows without a test: None), else "undecided"; on the claimed side,
+    "holds" when `ok` (the row's test) and the power at the observed effect is at least 0.8,
+    else "undecided"."""
     low, high = interval
     if not has_interval(interval) or low <= threshold <= high:
         return UNDECIDED
-    if (high < threshold) != (claimed == "below"):
-        return FAILS
+    if against_claim(interval, threshold, claimed):
+        return FAILS if opposite_p is None or opposite_p < alpha else UNDECIDED
     return HOLDS if ok and (power is None or power >= 0.8) else UNDECIDED
 
 

@@ -267,13 +267,15 @@ def rate_vs_conditioning_within_beta(workdir, alpha: float = 0.05, min_ratio: fl
         same = [r for r in rows if r["dim"] == dim]
         z, k = within_beta(same), within_beta(same, "eta_lambda_min_init", power=False)
         t, kt = z["test"], k["test"]
+        against = claims.against_text(t, z["interval"], 0.0, "above")
         values.append(f"d={dim}: ρ={t.observed:+.3f} {claims.interval_text(z['interval'])}, "
-                      f"{t.describe()}, power {z['power']:.2f}")  # fmt: skip
+                      f"{t.describe()}{against}, power {z['power']:.2f}")  # fmt: skip
         notes.append(f"d={dim}: ρ={kt.observed:+.3f} {claims.interval_text(k['interval'])}, "
                      f"p = {kt.p_value:.2g}")  # fmt: skip
         if over_pm.get(dim, 0) >= min_ratio:
             ok = t.observed > 0 and t.p_value < alpha
-            verdicts.append(claims.decided(ok, z["interval"], 0.0, z["power"], claimed="above"))
+            verdicts.append(claims.decided(ok, z["interval"], 0.0, z["power"], claimed="above",
+                                           opposite_p=t.p_opposite, alpha=alpha))  # fmt: skip
     value = "; ".join(values)
     if not verdicts:
         return dataclasses.replace(claim, value=value, note=f"no width d ≥ {min_ratio:g}·P·M")

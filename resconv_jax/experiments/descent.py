@@ -334,7 +334,8 @@ def jena_descent_fixed_start(workdir, alpha: float = 0.05, replication: bool = F
     )
     value = (
         f"τ = {o['test'].observed:+.3f} {tau_interval}, {o['test'].describe()}; "
-        f"partial τ | L_0 = {o['partial_tau']:+.3f} {partial_interval}; "
+        f"partial τ | L_0 = {o['partial_tau']:+.3f} {partial_interval}"
+        f"{claims.against_text(o['test'], o['partial_interval'], 0.0, 'below')}; "
         f"power {o['power']:.2f} ({o['runs']} runs)"
     )
     ok = o["test"].observed < 0 and o["test"].p_value < alpha and o["partial_tau"] < 0
@@ -345,7 +346,8 @@ def jena_descent_fixed_start(workdir, alpha: float = 0.05, replication: bool = F
         f"= {alternative['partial_tau']:+.3f} "
         f"{claims.interval_text(alternative['partial_interval'])}"
     )
-    verdict = claims.decided(ok, o["partial_interval"], 0.0, o["power"], claimed="below")
+    verdict = claims.decided(ok, o["partial_interval"], 0.0, o["power"], claimed="below",
+                             opposite_p=o["test"].p_opposite, alpha=alpha)  # fmt: skip
     return dataclasses.replace(claim, value=value, verdict=verdict, note=note)
 
 

@@ -136,7 +136,8 @@ def sst2_ordering_with_seeds(workdir, alpha: float = 0.05) -> Claim:
         and test.p_value < alpha
         and all(high < 0 for _, high in per_depth.values())
     )
-    verdicts = [claims.decided(residual_ok, interval, 0.0, power, claimed="below")]
+    verdicts = [claims.decided(residual_ok, interval, 0.0, power, claimed="below",
+                               opposite_p=test.p_opposite, alpha=alpha)]  # fmt: skip
     deeper = {
         beta: _pairs([r for r in rows if r["beta"] == beta], "num_layers", depths[0], depths[-1])
         for beta in (1.0, 0.0)
@@ -149,7 +150,8 @@ def sst2_ordering_with_seeds(workdir, alpha: float = 0.05) -> Claim:
         depth_ok = (
             depth_test.observed < 0 and depth_test.p_value < alpha and depth_interval[0.0][1] >= 0
         )
-        verdicts.append(claims.decided(depth_ok, depth_interval[1.0], 0.0, claimed="below"))
+        verdicts.append(claims.decided(depth_ok, depth_interval[1.0], 0.0, claimed="below",
+                                       opposite_p=depth_test.p_opposite, alpha=alpha))  # fmt: skip
     seeds = len({r["seed"] for r in rows})
     sentences = _training_sentences(workdir)
     mean_error = tuple(
@@ -162,6 +164,7 @@ def sst2_ordering_with_seeds(workdir, alpha: float = 0.05) -> Claim:
     )
     depth_at_1 = (
         f"{depth_test.observed:+.3f}{_bounds(depth_interval[1.0])}, {depth_test.describe()}"
+        f"{claims.against_text(depth_test, depth_interval[1.0], 0.0, 'below')}"
         if depth_test
         else "-"
     )
@@ -171,7 +174,8 @@ def sst2_ordering_with_seeds(workdir, alpha: float = 0.05) -> Claim:
         else ""
     )
     value = (
-        f"d̄ = {test.observed:+.3f}{_bounds(interval)}, {test.describe()}, power {power:.2f}; "
+        f"d̄ = {test.observed:+.3f}{_bounds(interval)}, {test.describe()}"
+        f"{claims.against_text(test, interval, 0.0, 'below')}, power {power:.2f}; "
         f"per L: {per_l}; e(L_max) − e(L_min) at β=1: {depth_at_1}{depth_at_0}"
     )
     note = f"{seeds} seed(s) per cell; seeds per cell needed for power 0.8: {needed:.0f}"

@@ -294,3 +294,16 @@ def test_a_table_of_an_earlier_version_is_unfinished(tiny_run, tmp_path):
     table.write_text("\n".join(",".join(line.split(",")[i] for i in keep) for line in lines))
     assert "columns" in rank_collapse.why_unfinished(tiny(), str(copy))
     assert rank_collapse.why_unfinished(tiny(), str(workdir)) is None
+
+
+def test_a_float64_run_takes_its_stacked_singular_values_in_float64():
+    """The stacked matrix's SVD ran in float32 whatever the model's dtype: a ratio of 1e-10 came
+    out at float32's resolution instead."""
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(0)
+        u, _ = np.linalg.qr(rng.normal(size=(2 * 8, 4)))
+        v, _ = np.linalg.qr(rng.normal(size=(4, 4)))
+        stacked = (u * np.array([1.0, 0.5, 0.1, 1e-10])) @ v.T  # (P·M, d) with σ_min/σ_max 1e-10
+        m = jnp.asarray(stacked.reshape(1, 2, 8, 4), jnp.float64)
+        ratio = float(rank_collapse.matrix_stats(m)["ratio_stacked"][0])
+    assert ratio == pytest.approx(1e-10, rel=1e-4)

@@ -156,8 +156,8 @@ def matrix_stats(m: jax.Array) -> dict[str, jax.Array]:
     sample = probe.spectral_stats(sv, n_tokens, d)
     ratio = sample["sigma_min"] / sample["sigma_max"]  # (S, P)
     stacked = probe.spectral_stats(
-        probe.stacked_singular_values(m), n_samples * n_tokens, d
-    )  # (S,) each
+        probe.stacked_singular_values(m, dtype=m.dtype), n_samples * n_tokens, d
+    )  # (S,) each, in the model's dtype
     return {
         "ratio_p_mean": ratio.mean(axis=-1),
         "ratio_p_min": ratio.min(axis=-1),

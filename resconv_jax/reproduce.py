@@ -22,12 +22,14 @@ checkpoint's record of those lines, summary.json as they give it); an interrupte
 resumed from its last good checkpoint, and the report says why. An experiment whose weights are not
 found runs its fallback instead (SST-2: the random-init GPT-2), labelled so.
 
-Exit status: 0 when every experiment ran, resumed or was reused, 1 when one could not run (the
-report says which and why), 2 for bad flags or a workdir that cannot be written, 3 when another
-process holds DIR, 141 when the output pipe closed (`| head`: the running experiments stop at a
-safe point, as after a SIGTERM), 130 after Ctrl-C (one line; with --jobs > 1 the running
-experiments first stop at a safe point, a second Ctrl-C stops them at once; rerun the same
-command to go on).
+Exit status: 0 when every experiment ran, resumed or was reused, and also after a SIGTERM
+(preemption: the running experiments stop at a safe point, their checkpoints saved; the last line
+says to rerun the same command, as `main` does); 1 when one could not run or a claim could not be
+evaluated from its files (the report says which and why), 2 for bad flags or a workdir that
+cannot be written, 3 when another process holds DIR, 141 when the output pipe closed (`| head`:
+the running experiments stop at a safe point, as after a SIGTERM), 130 after Ctrl-C (one line;
+with --jobs > 1 the running experiments first stop at a safe point, a second Ctrl-C stops them at
+once; rerun the same command to go on).
 """
 
 from __future__ import annotations
@@ -252,12 +254,17 @@ def _reproduce_locked(
     )
     print(f"wrote {wd.path(root) / report.REPORT_FILE}", flush=True)
     not_run = [o.experiment.name for o in outcomes if o.status == "not run"]
-    if readme and not_run:  # its rows would read "not run" over the measured ones
-        print(f"not written into {readme}: {', '.join(not_run)} did not run", flush=True)
+    unmeasured = report.unevaluated(table)
+    if unmeasured:
+        print(f"error: {', '.join(unmeasured)} could not be evaluated from its files (REPORT.md "
+              "says why); remove that experiment's folder and rerun", flush=True)  # fmt: skip
+    if readme and (not_run or unmeasured):  # its rows would read "not run" over measured ones
+        why = f"{', '.join(not_run)} did not run" if not_run else "a claim could not be evaluated"
+        print(f"not written into {readme}: {why}", flush=True)
     elif readme:
         report.splice_readme(readme, scale, table)
         print(f"wrote the claims table into {readme}", flush=True)
-    return 1 if not_run else 0
+    return 1 if not_run or unmeasured else 0
 
 
 def _define_flags() -> None:

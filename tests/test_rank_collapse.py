@@ -296,6 +296,18 @@ def test_a_table_of_an_earlier_version_is_unfinished(tiny_run, tmp_path):
     assert rank_collapse.why_unfinished(tiny(), str(workdir)) is None
 
 
+@pytest.mark.parametrize("name", ["CSV_FILE", "SEEDS_CSV_FILE"])
+def test_a_torn_table_is_unfinished(tiny_run, tmp_path, name):
+    """A table cut mid-row passed as finished: reproduce reused it, its claims could not be
+    evaluated, and --readme wrote those rows over the measured ones."""
+    workdir, _ = tiny_run
+    copy = tmp_path / "torn"
+    shutil.copytree(workdir, copy)
+    table = copy / getattr(rank_collapse, name)
+    table.write_bytes(table.read_bytes()[: len(table.read_bytes()) // 2])
+    assert "complete rows" in rank_collapse.why_unfinished(tiny(), str(copy))
+
+
 def test_a_float64_run_takes_its_stacked_singular_values_in_float64():
     """The stacked matrix's SVD ran in float32 whatever the model's dtype: a ratio of 1e-10 came
     out at float32's resolution instead."""

@@ -238,6 +238,28 @@ def test_a_readme_table_is_not_replaced_by_one_with_experiments_not_run(tmp_path
     assert readme.read_text() == before
 
 
+def test_a_readme_table_is_not_replaced_by_one_with_claims_not_measured(tmp_path, monkeypatch):
+    """A claim that could not be evaluated (a damaged file of a reused experiment) is a "not run"
+    row: --readme wrote it over the measured one, and the command exited 0."""
+    from resconv_jax import reproduce
+    from resconv_jax.experiments.claims import Claim
+
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{report.README_START}\nmeasured\n{report.README_END}\n")
+    before = readme.read_text()
+
+    def reused(experiment, scale, root, times):
+        return Outcome(experiment, os.path.join(root, experiment.name), "reused", 1.0, [])
+
+    def table(outcomes):
+        return [Claim("3. residual fixes conditioning", "-", "-", note="could not be evaluated")]
+
+    monkeypatch.setattr(reproduce, "run_experiment", reused)
+    monkeypatch.setattr(report, "claims_table", table)
+    assert reproduce.reproduce(str(tmp_path / "w"), "small", str(readme)) == 1
+    assert readme.read_text() == before
+
+
 def test_only_names_known_experiments_and_keeps_the_readme_whole(tmp_path):
     from resconv_jax import reproduce
 

@@ -21,6 +21,7 @@ rank_collapse.png, and config.json.
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
 import math
@@ -406,7 +407,32 @@ def why_unfinished(config, workdir: str) -> str | None:
     header = (folder / CSV_FILE).read_text().split("\n", 1)[0].split(",")
     if lacking := [c for c in COLUMNS if f"{c}/max" not in header]:
         return f"{CSV_FILE} lacks the columns of {', '.join(lacking)} (an earlier version)"
+    qk_inits, d_qk_values, seeds = validate(config)
+    cells = len(qk_inits) * len(d_qk_values)
+    for name, expected in ((CSV_FILE, cells), (SEEDS_CSV_FILE, cells * len(seeds))):
+        complete = _complete_rows(folder / name)
+        if complete != expected:
+            return f"{name} holds {complete} complete rows, not {expected} (damaged?)"
     return None
+
+
+def _complete_rows(path) -> int:
+    """How many rows of a CSV have a number in every column but qk_init (-1: unreadable)."""
+
+    def number(text: str | None) -> bool:
+        try:
+            return text is not None and isinstance(float(text), float)
+        except ValueError:
+            return False
+
+    try:
+        with wd.path(path).open() as f:
+            rows = list(csv.DictReader(f))
+    except (OSError, UnicodeDecodeError, csv.Error):
+        return -1
+    return sum(
+        None not in r and all(number(v) for k, v in r.items() if k != "qk_init") for r in rows
+    )
 
 
 def describe_sizes(config) -> str:

@@ -47,6 +47,14 @@ def sizes_block(scale: str, chosen: tuple[Experiment, ...] | None = None) -> str
     return "\n".join(lines)
 
 
+UNEVALUATED = "could not be evaluated"  # the note of a claim whose check raised
+
+
+def unevaluated(table: list[Claim]) -> list[str]:
+    """The claims of `table` whose check raised (a damaged file that the reuse checks missed)."""
+    return [row.claim for row in table if row.note.startswith(UNEVALUATED)]
+
+
 def claims_table(outcomes: list[Outcome]) -> list[Claim]:
     """The claims table: every claim of every experiment, read from its run directory (None when
     it did not run), in the order of their ranks. A claim that was measured carries its
@@ -62,7 +70,7 @@ def claims_table(outcomes: list[Outcome]) -> list[Claim]:
         try:
             row = checked(claim.check, workdir)
         except Exception as error:  # noqa: BLE001 - one unreadable file must not lose the report
-            note = f"could not be evaluated: {type(error).__name__}: {error}"
+            note = f"{UNEVALUATED}: {type(error).__name__}: {error}"
             row = Claim(claim.check.__name__, "-", "-", note=note.splitlines()[0])
         if workdir is None and outcome.reason:
             row = dataclasses.replace(row, note=f"{row.note}: {outcome.reason}")

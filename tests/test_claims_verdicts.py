@@ -258,6 +258,18 @@ def test_the_report_shows_no_figures_of_an_experiment_it_did_not_run(tmp_path):
     assert "; not run: no weights.\n" in report.format_report("small", gone, [], {})
 
 
+def test_a_report_of_some_experiments_says_it_is_not_the_whole_report(tmp_path):
+    """`--only` into a folder with every experiment replaced the whole REPORT.md with a part of
+    it whose first line named the whole command."""
+    sst2 = classification.EXPERIMENTS[0]
+    outcomes = [Outcome(sst2, str(tmp_path / "sst2"), "not run", None, [], "gone")]
+    part = report.format_report("small", outcomes, [], {}, chosen=(sst2,))
+    assert "--scale=small --only=sst2`" in part
+    assert "only the experiments named by --only" in part
+    whole = report.format_report("small", outcomes, [], {})
+    assert "--only" not in whole
+
+
 def test_a_fallback_marks_an_undecided_claim_too(tmp_path):
     from resconv_jax.experiments.record import ClaimCheck, Experiment
 

@@ -155,13 +155,25 @@ def format_report(
     """REPORT.md: the claims table, then one section per experiment (those `chosen`, or all),
     then this invocation's wall times (`total`: the whole command's seconds; `jobs`
     experiments at a time) and the machine."""
+    every = experiments.experiment_list()
+    only = ""
+    if chosen is not None and len(chosen) < len(every):
+        only = f" --only={','.join(e.name for e in chosen)}"
     lines = [
         "# resconv_jax: the paper's claims, checked",
         "",
-        f"`python -m resconv_jax.reproduce --workdir=… --scale={scale}`, written "
+        f"`python -m resconv_jax.reproduce --workdir=… --scale={scale}{only}`, written "
         f"{time.strftime('%Y-%m-%d %H:%M %Z')}. Claims, measures and thresholds: "
         "docs/protocol.md (our protocol; the paper states none).",
         "",
+    ]
+    if only:
+        lines += [
+            "This report has only the experiments named by --only and their claims; the folder's "
+            "others, if any, are not in it (the same command without --only reports them all).",
+            "",
+        ]
+    lines += [
         sizes_block(scale, chosen),
         "",
         claims.format_claims_table(table),

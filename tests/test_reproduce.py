@@ -71,6 +71,22 @@ def test_reproduce_tiny_writes_every_claim_and_knows_its_runs_finished(tmp_path)
     assert unfinished_reason(longer, str(tmp_path / "theory"))
 
 
+def test_a_folder_that_lost_its_config_json_is_not_reusable_and_says_why(tmp_path):
+    """It counted as holding no run at all: reproduce resumed it as "ran", with no line saying
+    why, and recorded the resume's seconds and code as the experiment's."""
+    from resconv_jax import experiments
+
+    config = experiments.experiment_list()[0].load("tiny")
+    (tmp_path / "theory").mkdir()
+    assert unfinished_reason(config, str(tmp_path / "theory")) == ""  # empty: nothing there
+    (tmp_path / "theory" / ".lock").write_text("")
+    assert unfinished_reason(config, str(tmp_path / "theory")) == ""
+    (tmp_path / "theory" / "metrics.jsonl").write_text('{"step": 0}\n')
+    (tmp_path / "theory" / "checkpoints").mkdir()
+    reason = unfinished_reason(config, str(tmp_path / "theory"))
+    assert reason == "config.json is missing (the folder holds checkpoints, metrics.jsonl)"
+
+
 @pytest.mark.slow
 def test_reproduce_refuses_a_bad_scale_or_jobs(tmp_path):
     command = [sys.executable, "-m", "resconv_jax.reproduce", f"--workdir={tmp_path / 'w'}",

@@ -55,9 +55,13 @@ class Outcome:
 
 def unfinished_reason(config, workdir: str) -> str | None:
     """None when `workdir` holds this config's result, finished and intact (its task's
-    `why_unfinished`), else why not; "" when it holds no run of it at all."""
-    if not wd.path(workdir).exists() or read_saved_config(workdir) is None:
+    `why_unfinished`), else why not; "" when it holds nothing (or only a lock)."""
+    folder = wd.path(workdir)
+    if not folder.exists():
         return ""
+    if read_saved_config(workdir) is None:
+        held = sorted(p.name for p in folder.iterdir() if p.name not in (".lock", wd.CONFIG_FILE))
+        return f"{wd.CONFIG_FILE} is missing (the folder holds {', '.join(held)})" if held else ""
     return experiments.task_module(config.task).why_unfinished(config, workdir)
 
 

@@ -214,6 +214,18 @@ def test_a_tensor_that_is_not_finite_floats_is_refused(tmp_path, tensors, tensor
         load(save_checkpoint(tmp_path, bad))
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_half_precision_checkpoint_loads_as_its_float32_values(tmp_path, tensors, dtype):
+    """A bfloat16 checkpoint (Hugging Face saves one with `.to(torch.bfloat16)`) was refused as
+    "bfloat16, not a floating-point tensor": numpy does not count bfloat16 as floating."""
+    import ml_dtypes
+
+    half = {k: v.astype(getattr(ml_dtypes, dtype, None) or dtype) for k, v in tensors.items()}
+    _, _, params = load(save_checkpoint(tmp_path, half))
+    expected = half["h.1.attn.c_attn.weight"].astype(np.float32)
+    np.testing.assert_array_equal(params["h"][1]["attn"]["c_attn"]["weight"], expected)
+
+
 def test_n_layer_is_checked_against_the_blocks_in_the_file(tmp_path, tensors):
     """Even blocks that the truncation does not read: the config must describe the file."""
     config = HF_CONFIG | {"n_layer": TINY["n_layer"] + 1}

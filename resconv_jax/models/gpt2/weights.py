@@ -262,7 +262,7 @@ def _read_body(path: Path, model_shapes: dict, cfg: gpt2.GPT2Config) -> dict[str
 def _finite(file, key: str, path: Path) -> np.ndarray:
     """Tensor `key` of an open safetensors file; WeightsError unless it is finite floats."""
     tensor = file.get_tensor(key)
-    if not np.issubdtype(tensor.dtype, np.floating):
+    if not jnp.issubdtype(tensor.dtype, jnp.floating):  # bfloat16 too, which numpy's is not
         raise WeightsError(f"{path}: {key} is {tensor.dtype}, not a floating-point tensor")
     if not np.isfinite(tensor).all():
         raise WeightsError(f"{path}: {key} holds non-finite values")

@@ -92,6 +92,29 @@ def test_missing_weights_stop_a_run_in_one_line_before_it_prints(
     assert capsys.readouterr().out == "" and not (tmp_path / "w").exists()
 
 
+def test_a_random_depth_sweep_deeper_than_its_shape_is_refused_before_it_trains(tmp_path, capsys):
+    """The deepest L was checked against the shape only when its program was built: L = 1 trained
+    and left its folder, then L = 2 stopped with exit status 2 ("nothing written")."""
+    from resconv_jax import train
+    from resconv_jax.config_defaults import load_config_file
+
+    config = load_config_file(
+        os.path.join(os.path.dirname(__file__), "..", "configs", "sst2.py"),
+        "tiny",
+        **{
+            "model.gpt2.weights": "random",
+            "model.gpt2.shape.n_embd": 16,
+            "model.gpt2.shape.n_head": 2,
+            "model.gpt2.shape.n_layer": 1,
+            "train.num_steps": 2,
+        },  # fmt: skip
+    )
+    assert tuple(config.sweep.num_layers) == (1, 2)
+    with pytest.raises(ValueError, match="num_layers=2 must be between 1 and n_layer=1"):
+        train.run(config, str(tmp_path / "w"))
+    assert capsys.readouterr().out == "" and not (tmp_path / "w").exists()
+
+
 def test_hub_id_is_read_from_the_cache_offline(empty_hub_cache, monkeypatch, tmp_path):
     offline(monkeypatch, True)
     repo = empty_hub_cache / "models--test-org--tiny-gpt2"

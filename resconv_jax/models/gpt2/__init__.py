@@ -30,8 +30,11 @@ def default_config() -> ml_collections.ConfigDict:
 
 def check_available(model_cfg, num_layers: int) -> None:
     """WeightsError (one line) when the named weights cannot be found, or lack a tensor of the
-    first `num_layers` blocks (the sweep's deepest L): before any other work."""
-    if model_cfg[NAME].weights != "random":
+    first `num_layers` blocks (the sweep's deepest L); for "random", ValueError when the shape
+    has fewer blocks than that: before any other work."""
+    if model_cfg[NAME].weights == "random":
+        weights.check_random_shape(dict(model_cfg[NAME].shape), num_layers)
+    else:
         weights.check_fits(model_cfg[NAME].weights, num_layers)
 
 

@@ -119,6 +119,11 @@ def _hub_unreachable(timeout: float = HUB_TIMEOUT_S) -> str | None:
     return outcome[0] if outcome else f"no answer from {host} within {timeout:g} s"
 
 
+def check_random_shape(shape: dict, num_layers: int) -> None:
+    """The random model's `shape` (refused as in `load_gpt2`) holds `num_layers` blocks."""
+    gpt2.GPT2Config.from_hf_config({**GPT2_SMALL, **_checked_shape(shape)}, num_layers, 1)
+
+
 def _checked_shape(shape: dict | None) -> dict:
     """`shape` as a dict, refusing names that are not GPT-2 sizes (a typo would be ignored)."""
     shape = dict(shape or {})

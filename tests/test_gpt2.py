@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from gpt2_checkpoints import HF_CONFIG, TINY, save_checkpoint, tiny_tensors
+from safetensors.numpy import load_file, save_file
 
 from resconv_jax.models.gpt2 import modeling as gpt2
 from resconv_jax.models.gpt2 import weights
@@ -224,6 +225,17 @@ def test_a_half_precision_checkpoint_loads_as_its_float32_values(tmp_path, tenso
     _, _, params = load(save_checkpoint(tmp_path, half))
     expected = half["h.1.attn.c_attn.weight"].astype(np.float32)
     np.testing.assert_array_equal(params["h"][1]["attn"]["c_attn"]["weight"], expected)
+
+
+def test_a_tied_checkpoint_that_kept_only_lm_head_loads_it_as_the_embedding(tmp_path, tensors):
+    """safetensors' `save_model` keeps one name of tied tensors, `lm_head.weight` (it sorts
+    first): the loader skipped lm_head and refused the file as missing wte.weight."""
+    folder = save_checkpoint(tmp_path, tensors)
+    file = load_file(str(folder / weights.WEIGHTS_FILE))
+    del file["transformer.wte.weight"]
+    save_file(file, str(folder / weights.WEIGHTS_FILE))
+    _, _, params = load(folder)
+    np.testing.assert_array_equal(params["wte"]["weight"], tensors["wte.weight"])
 
 
 def test_n_layer_is_checked_against_the_blocks_in_the_file(tmp_path, tensors):

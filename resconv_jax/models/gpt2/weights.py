@@ -3,7 +3,8 @@
 `source` is one of
 
 - a folder with Hugging Face's `config.json` and `model.safetensors` (keys with or without the
-  `transformer.` prefix; the `attn.bias` / `attn.masked_bias` buffers and `lm_head.*` are skipped);
+  `transformer.` prefix; the `attn.bias` / `attn.masked_bias` buffers and `lm_head.*` are skipped,
+  but for a tied file that kept only `lm_head.weight`, which is then the embedding `wte.weight`);
 - a hub id such as `openai-community/gpt2`, taken from the local Hugging Face cache first and
   downloaded only when it is not there and the hub can be reached;
 - `random`: GPT-2's random init for the shape `shape` (Hugging Face config names; GPT-2 small
@@ -59,6 +60,7 @@ _KEY_RULES = tuple(
 )
 _SKIPPED_KEYS = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)|lm_head\..*")
 _BLOCK_PATH = re.compile(r"h\.(\d+)\.")
+_TIED = "lm_head.weight"  # GPT-2's output projection, tied to wte.weight
 
 
 def load_gpt2(
@@ -318,6 +320,10 @@ def _match_keys(
             if shape != model_shapes[dest]:
                 wrong.append(f"{key} {shape} (model {model_shapes[dest]})")
             plan[dest] = key
+    if "wte.weight" not in plan and _TIED in file_shapes:  # a tied file that kept lm_head's name
+        if file_shapes[_TIED] != model_shapes["wte.weight"]:
+            wrong.append(f"{_TIED} {file_shapes[_TIED]} (model {model_shapes['wte.weight']})")
+        plan["wte.weight"] = _TIED
     missing = [dest for dest in model_shapes if dest not in plan and not dest.startswith("head.")]
     problems = [
         f"{kind}: {_listing(keys)}"

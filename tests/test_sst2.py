@@ -128,6 +128,24 @@ def test_padding_and_truncation_saved_in_a_tokenizer_json_are_not_applied(tmp_pa
     assert bundled.mask_train.sum(axis=1).max() > 3
 
 
+def test_padding_uses_the_tokenizers_own_end_of_text_id(tmp_path: Path):
+    """Padding was GPT-2's id 50256 whatever tokenizer_dir gave: with a smaller vocabulary every
+    padded sentence had an id past the embedding table, and the run was refused."""
+    byte_chars = [c for c in json.loads(bundled_bytes(sst2.BUNDLED_VOCAB)) if len(c) == 1]
+    vocab = {c: i for i, c in enumerate(byte_chars)}  # the 256 byte-level characters
+    merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he")]
+    for left, right in merges:
+        vocab[left + right] = len(vocab)
+    vocab["<|endoftext|>"] = len(vocab)
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
+    (tmp_path / "merges.txt").write_text("".join(f"{a} {b}\n" for a, b in merges))
+    small = load_sst2(cfg_for(num_train=16, max_tokens=64, tokenizer_dir=str(tmp_path)))
+    assert small.pad_id == vocab["<|endoftext|>"] == 259
+    assert small.ids_train.max() == 259 and np.all(small.ids_train[small.mask_train == 0] == 259)
+    assert small.description.endswith("right-padded with 259")
+    assert load_sst2(cfg_for(num_train=16)).pad_id == PAD_ID  # GPT-2's own: as before
+
+
 @pytest.mark.parametrize(
     "vocab, merges, match",
     [

@@ -9,7 +9,8 @@ tokens per sentence (longer ones are TRUNCATED, their first `max_tokens` kept). 
 first P of `np.random.default_rng(seed).permutation(N)` over the N train rows, in that order, not
 class-balanced (duplicate GLUE phrases are kept as rows). Validation rows: the dev split in file
 order (all 872 rows, or the first `num_val`). Arrays have exactly T = `max_tokens` columns, padded
-on the right with `PAD_ID` (GPT-2's eos); the mask says which tokens are real.
+on the right with the tokenizer's <|endoftext|> id (`PAD_ID`, GPT-2's eos, for GPT-2's own
+tokenizer); the mask says which tokens are real.
 
 Sources: "bundled" (default: the first 4000 GLUE train rows and all 872 dev rows, packaged, see
 bundled/SST2_PROVENANCE.md), "file" (a folder with GLUE's `train.tsv[.gz]` and `dev.tsv[.gz]`),
@@ -211,14 +212,21 @@ def gpt2_tokenizer(tokenizer_dir: str = "") -> tokenizers.Tokenizer:
     return _bpe_tokenizer(*_parse_vocab_merges(*texts, tokenizer_dir), tokenizer_dir)
 
 
-def tokenize(tok: tokenizers.Tokenizer, sentences, max_tokens: int):
+def pad_id_of(tok: tokenizers.Tokenizer) -> int:
+    """The padding id: the tokenizer's own <|endoftext|> (GPT-2's 50256), else 0. Padding is
+    masked, so any id of the vocabulary serves; one past it would be NaN in the lookup."""
+    found = tok.token_to_id("<|endoftext|>")
+    return 0 if found is None else int(found)
+
+
+def tokenize(tok: tokenizers.Tokenizer, sentences, max_tokens: int, pad_id: int = PAD_ID):
     """Right-padded ids (N, T) int32, mask (N, T) int32 and the (N,) int64 untruncated lengths.
 
     T = max_tokens; a sentence of more tokens keeps its first max_tokens. No special tokens added.
     """
     encodings = tok.encode_batch(list(sentences), add_special_tokens=False)
     lengths = np.array([len(e.ids) for e in encodings], np.int64)
-    ids = np.full((len(encodings), max_tokens), PAD_ID, np.int32)
+    ids = np.full((len(encodings), max_tokens), pad_id, np.int32)
     mask = np.zeros((len(encodings), max_tokens), np.int32)
     for i, e in enumerate(encodings):
         n = min(len(e.ids), max_tokens)
@@ -275,14 +283,15 @@ def make_splits(train: SST2Table, dev: SST2Table, cfg: Any, source: str = "") ->
         raise _in_file(dev.name, f"num_val={c['num_val']} but the file has only {len(dev)} rows")
     val = dev if c["num_val"] == -1 else dev.take(np.arange(c["num_val"]))
     tok = gpt2_tokenizer(c["tokenizer_dir"])
-    ids_train, mask_train, len_train = tokenize(tok, picked.sentences, t)
-    ids_val, mask_val, len_val = tokenize(tok, val.sentences, t)
+    pad = pad_id_of(tok)
+    ids_train, mask_train, len_train = tokenize(tok, picked.sentences, t, pad)
+    ids_val, mask_val, len_val = tokenize(tok, val.sentences, t, pad)
     tokenizer = c["tokenizer_dir"] or "bundled GPT-2 BPE"
     description = (
         f"SST-2 (GLUE) {source or train.name + ' + ' + dev.name}: "
         f"{_summary('train', picked, len(train), len_train, t)} (seeded permutation, "
         f"seed {c['seed']}); {_summary('val', val, len(dev), len_val, t)}; tokenizer {tokenizer}, "
-        f"T={t}, right-padded with {PAD_ID}"
+        f"T={t}, right-padded with {pad}"
     )
     return SST2Splits(
         ids_train=ids_train,
@@ -294,6 +303,7 @@ def make_splits(train: SST2Table, dev: SST2Table, cfg: Any, source: str = "") ->
         train_lines=picked.lines,
         val_lines=val.lines,
         description=description,
+        pad_id=pad,
     )
 
 

@@ -346,13 +346,15 @@ run_command() {
   for flag in "$@"; do
     flags+=" $(shq "$flag")"
   done
-  wrapper="cd ~/resconv_jax && . .venv/bin/activate && python -m resconv_jax.main${flags} > logs/run.log 2>&1; s=\$?; if [ \$s = 0 ] && ! grep -q rerun.the.same.command logs/run.log; then touch logs/DONE; fi; echo \$s > logs/exit_status.tmp && mv logs/exit_status.tmp logs/exit_status"
+  wrapper="cd ~/resconv_jax && . .venv/bin/activate && python -m resconv_jax.main${flags} >> logs/run.log 2>&1; s=\$?; if [ \$s = 0 ] && ! grep -q rerun.the.same.command logs/run.log; then touch logs/DONE; fi; echo \$s > logs/exit_status.tmp && mv logs/exit_status.tmp logs/exit_status"
   printf '%s' 'cd ~/resconv_jax || exit 1; mkdir -p logs; '
   # A previous run started by this tool: kill its process group (wrapper and main).
   printf '%s' 'p=$(cat logs/run.pid 2>/dev/null) && ps -o args= -p "$p" | grep -q resconv_jax.main && kill -9 -- "-$p"; '
   # Anything else holding the TPU (a stale process from an earlier session), and libtpu's lock.
   printf '%s' 'sudo lsof -t /dev/accel* /dev/vfio/* 2>/dev/null | xargs -r sudo kill -9; sleep 1; sudo rm -f /tmp/libtpu_lockfile; '
-  printf '%s' 'rm -f logs/DONE logs/exit_status; if [ -f logs/run.log ]; then mv logs/run.log logs/run.log.prev; fi; '
+  # run.log is created here, before the wrapper starts in the background: a second `run` right
+  # after (or one under load) always finds it and keeps it as run.log.prev.
+  printf '%s' 'rm -f logs/DONE logs/exit_status; if [ -f logs/run.log ]; then mv logs/run.log logs/run.log.prev; fi; : > logs/run.log; '
   printf 'setsid nohup bash -c "%s" > /dev/null 2>&1 < /dev/null & echo $! > logs/run.pid' "$(dq_escape "$wrapper")"
 }
 

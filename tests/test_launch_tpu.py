@@ -187,13 +187,16 @@ def test_options_flags_env_and_errors(env):
 # --- the run wrapper, run on this machine as a worker would ---------------------------------------
 
 
-def _fake_worker(env, tmp_path, line: str, status: int, sleep: float = 0.0):
+def _fake_worker(
+    env, tmp_path, line: str, status: int, sleep: float = 0.0, slow_start: float = 0.0
+):
     """A HOME with ~/resconv_jax/.venv whose `python` (standing in for main) records its argv,
-    prints `line` and exits with `status` after `sleep` seconds; a `sudo` that does nothing."""
+    prints `line` and exits with `status` after `sleep` seconds; a `sudo` that does nothing.
+    `slow_start`: seconds the venv's activation takes (a loaded machine)."""
     home = tmp_path / "home"
     venv_bin = home / "resconv_jax" / ".venv" / "bin"
     venv_bin.mkdir(parents=True)
-    (venv_bin / "activate").write_text(f'PATH="{venv_bin}:$PATH"\n')
+    (venv_bin / "activate").write_text(f'sleep {slow_start}\nPATH="{venv_bin}:$PATH"\n')
     argv_file = tmp_path / "main_argv.json"
     fake_main = venv_bin / "python"
     fake_main.write_text(
@@ -271,9 +274,11 @@ def test_run_wrapper_on_a_worker(env, tmp_path, mode, expected):
 
 @needs_procps
 def test_run_again_replaces_a_running_run(env, tmp_path):
-    """A second `run` kills the first one's process group; a run killed without an exit status
-    reads as lost (babysit starts it again)."""
-    worker_env, logs, _ = _fake_worker(env, tmp_path, "never printed", 0, sleep=60)
+    """A second `run` kills the first one's process group and keeps its log as run.log.prev,
+    even when the first had not yet opened its log (slow to start: under load the log was only
+    opened by the background wrapper, and CI saw no run.log.prev); a run killed without an exit
+    status reads as lost (babysit starts it again)."""
+    worker_env, logs, _ = _fake_worker(env, tmp_path, "never printed", 0, sleep=60, slow_start=1)
     run_words = commands(tpu(env, "--dry-run", "run", "--", *MAIN_FLAGS).stdout)[0]
     pids = []
     try:

@@ -9,7 +9,7 @@ import tempfile
 import jax
 
 from resconv_jax.config_defaults import RENAMED, base_config
-from resconv_jax.data import data_names
+from resconv_jax.data import data_module, data_names
 from resconv_jax.errors import ConfigError
 from resconv_jax.models import model_module, model_names
 from resconv_jax.runtime import workdir as wd
@@ -113,6 +113,22 @@ def check_sections(config) -> None:
         )
 
 
+def check_known_fields(config) -> None:
+    """Raises ConfigError naming the first field that no code reads: one of neither
+    `base_config()` nor the data set's `default_config()`, outside the task's own section
+    (config.rank_collapse for task "rank_collapse"). The command line cannot add fields; a
+    config file can, and a misspelt one would train with the default in its place."""
+    reference = base_config()
+    reference.data = data_module(config.data.name).default_config()
+    known = {field for field, _, _ in _fields(reference)}
+    for field, _, _ in _fields(config):
+        if field not in known and field.split(".")[1] != config.task:
+            raise ConfigError(
+                f"{field}: no such field (a typo?); the fields are those of resconv_jax."
+                "config_defaults.base_config() and of the data set's default_config()"
+            )
+
+
 def validate_config(config) -> None:
     """Raises ConfigError (one line) for the first value that cannot be run."""
     check_sections(config)
@@ -127,6 +143,7 @@ def validate_config(config) -> None:
             f"config.data.name={config.data.name!r}: expected one of {', '.join(data_names())} "
             "(the modules of resconv_jax/data/)"
         )
+    check_known_fields(config)
     validate_model = getattr(model_module(config.model.name), "validate", None)
     if validate_model is not None:
         validate_model(config.model)

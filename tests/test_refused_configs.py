@@ -42,6 +42,21 @@ def test_bad_values_are_refused_before_anything_is_written(tmp_path, overrides, 
     assert not os.path.exists(tmp_path / "w")
 
 
+@pytest.mark.parametrize(
+    "field", ["optim.learning_rate", "train.num_step", "sweep.betas", "data.lift_dim"]
+)
+def test_a_field_that_no_code_reads_is_refused_before_anything_is_written(tmp_path, field):
+    """A config file can add keys (the command line cannot): a misspelt field trained with the
+    default in its place, and config.json recorded the typo as if it had been used."""
+    config = tiny()
+    section, key = field.split(".")
+    with config.unlocked():
+        config[section][key] = 1  # as a config file's get_config() can
+    with pytest.raises(ConfigError, match=re.escape(f"config.{field}: no such field")):
+        train.run(config, str(tmp_path / "w"))
+    assert not os.path.exists(tmp_path / "w")
+
+
 def test_constant_teacher_targets_are_refused_before_anything_is_written(tmp_path):
     """A zero readout makes every teacher output 0: y / y.std() was NaN, reported as a divergence
     with step-size advice (exit 1), with the workdir and its checkpoints left behind."""

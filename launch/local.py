@@ -156,7 +156,7 @@ def _said_pipe_closed(failure: int) -> int:
 def _wait(children: list[subprocess.Popen]) -> int:
     """Waits for every child; after the first failure, stops the rest (SIGTERM, then SIGKILL)."""
     failure, deadline = 0, None
-    while any(child.poll() is None for child in children):
+    while any([child.poll() is None for child in children]):  # a list: poll every child
         for index, child in enumerate(children):
             if child.returncode not in (None, 0) and not failure:
                 failure = exit_status(child.returncode)

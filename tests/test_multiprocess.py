@@ -423,3 +423,20 @@ def test_a_process_the_launcher_had_to_kill_is_not_the_cause(monkeypatch, tmp_pa
     monkeypatch.setattr(local, "commands", lambda *_: commands)
     monkeypatch.setattr(local, "GRACE_SECONDS", 0.5)
     assert local.run(2, 1, ["--workdir=unused"]) == 5
+
+
+def test_the_launcher_stops_the_others_when_a_later_process_fails_first():
+    """`any()` over a generator stopped polling at the first running child: process 1's failure
+    went unseen while process 0 ran on (in a real run: JAX's 300 s wait for the dead peer, then
+    its abort, status 134)."""
+    children = [
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]),
+        subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"]),
+    ]
+    try:
+        assert local._wait(children) == 3
+        assert children[0].returncode == -signal.SIGTERM  # stopped, not left to finish
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()

@@ -8,7 +8,6 @@ checkpoints, and honours SIGTERM / pod preemption.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 
 import jax
@@ -101,12 +100,11 @@ def run_loop(
     meta = {"config": config_json}
     try:
         last_print, last_print_step = time.perf_counter(), step
-        # JAX's preemption sync point counts calls: every process asks at every chunk, with ids
-        # 0, 1, 2, ...; after a SIGTERM to any of them, all agree on the next id.
-        for sync_id in itertools.count():
-            if step >= total:
-                break
-            if signals.requested() or checkpointer.reached_preemption(sync_id):
+        # JAX's preemption sync point counts calls: every process asks at every chunk
+        # (`Checkpointer.reached_preemption`); after a SIGTERM to any of them, all agree on the
+        # next call.
+        while step < total:
+            if signals.requested() or checkpointer.reached_preemption():
                 signals.acknowledge()
                 if step == start:
                     raise Preempted(

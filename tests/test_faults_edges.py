@@ -211,3 +211,19 @@ def test_a_checkpoint_still_being_written_is_not_named_as_saved(tmp_path, monkey
     finally:
         monkeypatch.undo()
         checkpointer.close()
+
+
+def test_the_preemption_sync_ids_are_one_sequence_for_the_whole_process(tmp_path, monkeypatch):
+    """JAX's preemption sync point is the largest *latest* id any process reported, plus one, and
+    a process stops only at a call with exactly that id. Orbax reported step numbers there too
+    (in should_save and save), and a sweep's second depth started its ids at 0 again: a SIGTERM
+    to a multi-process depth sweep set the sync point to 201 while the loop asked with 0..39, and
+    the run trained on to the end and exited 0, its preemption lost."""
+    from jax.experimental import multihost_utils
+
+    asked = []
+    monkeypatch.setattr(
+        multihost_utils, "reached_preemption_sync_point", lambda i: asked.append(i) or False
+    )
+    train.run(tiny(**{"sweep.num_layers": (1, 2), "optim.lr": 1e-3}), str(tmp_path))
+    assert asked == list(range(len(asked))) and len(asked) >= 8, asked

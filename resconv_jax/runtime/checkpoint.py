@@ -9,6 +9,7 @@ non-finite loss) is reported in one line and the one before it is tried.
 from __future__ import annotations
 
 import errno
+import itertools
 import logging as std_logging
 import os
 import re
@@ -161,6 +162,19 @@ def is_saved_meta(meta, step: int) -> bool:
     )
 
 
+class _Manager(ocp.CheckpointManager):
+    """Orbax's manager, but for its own calls to JAX's preemption sync point: it asks there with
+    step numbers (in should_save and save), while `Checkpointer.reached_preemption` asks with the
+    loop's ids, and JAX's protocol needs every call of a process on one sequence (the sync point
+    is the largest latest id of any process plus one, and is met only by a call with that id)."""
+
+    def reached_preemption(self, step: int) -> bool:
+        return False
+
+
+_sync_ids = itertools.count()  # this process's ids at JAX's preemption sync point
+
+
 class Checkpointer:
     """Saves the train state (pytree with sharded leaves) under `workdir/checkpoints/<step>`.
 
@@ -182,9 +196,7 @@ class Checkpointer:
             create=True,
         )
         try:
-            self._manager = ocp.CheckpointManager(
-                directory, options=options, item_names=("state", "meta")
-            )
+            self._manager = _Manager(directory, options=options, item_names=("state", "meta"))
         except OSError as error:
             raise WorkdirWriteError(
                 f"cannot create {self.directory} ({describe_os_error(error)})"
@@ -301,12 +313,13 @@ class Checkpointer:
             return f"does not match its content hashes (at {', '.join(bad[:3])})", None, {}
         return None, restored.state, meta
 
-    def reached_preemption(self, sync_id: int) -> bool:
+    def reached_preemption(self) -> bool:
         """Whether the cluster signalled preemption (multi-process runs), agreed on all processes.
 
-        `sync_id` counts this start's calls (0, 1, 2, ...), the same on every process: JAX's sync
+        Each call takes the next id of one sequence for the whole process (every start, every
+        group of a sweep), the same on every process since they make the same calls; JAX's sync
         point is the id after the largest any process had reached when the notice came."""
-        return self._manager.reached_preemption(sync_id)
+        return ocp.utils.reached_preemption(next(_sync_ids))
 
     def wait(self) -> None:
         """Blocks until background saves are on disk; a failed one -> WorkdirWriteError."""

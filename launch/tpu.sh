@@ -372,8 +372,11 @@ need_main_flags() {
 }
 
 # Sets RUN_STATE to done, failed, none, restart, running or unknown (and RUN_DETAIL).
+# A worker that exited 5 (main: another process stopped responding or failed), or was killed or
+# aborted by JAX (137, 143, 134) while another was lost or exited 5, stopped for that other one:
+# the run is rerun on all, as main's line says. Any other non-zero status is the run's failure.
 run_state() {
-  local out line n=0 done_n=0 none_n=0 restart_n=0 state
+  local out line n=0 done_n=0 none_n=0 restart_n=0 peer_n=0 state failed=''
   RUN_DETAIL=''
   gcloud_args compute tpus tpu-vm ssh "$NAME" --worker=all "--command=$STATUS_COMMAND"
   if ! out=$("${GCLOUD[@]}" 2>/dev/null); then
@@ -387,16 +390,28 @@ run_state() {
     state=${state#* }
     case $state in
       done) done_n=$((done_n + 1)) ;;
-      'exit 0'*) restart_n=$((restart_n + 1)) ;;
+      'exit 0' | 'exit 0 '*) restart_n=$((restart_n + 1)) ;;
+      'exit 5' | 'exit 5 '* | lost)
+        restart_n=$((restart_n + 1))
+        peer_n=$((peer_n + 1))
+        ;;
+      'exit 134'* | 'exit 137'* | 'exit 143'*)
+        restart_n=$((restart_n + 1))
+        failed=${failed:-${line#resconv-status }}
+        ;;
       exit*)
         RUN_STATE=failed
         RUN_DETAIL=${line#resconv-status }
         return
         ;;
       none) none_n=$((none_n + 1)) ;;
-      lost) restart_n=$((restart_n + 1)) ;;
     esac
   done <<<"$out"
+  if [[ -n $failed ]] && ((peer_n == 0)); then  # killed or aborted with no lost peer to explain it
+    RUN_STATE=failed
+    RUN_DETAIL=$failed
+    return
+  fi
   if ((n == 0)); then
     RUN_STATE=unknown
   elif ((none_n)); then

@@ -394,6 +394,18 @@ def test_babysit_waits_out_describe_errors_that_are_not_not_found(env):
 
 
 @needs_git
+def test_babysit_reruns_when_a_worker_was_lost_and_the_others_stopped_for_it(env):
+    """A rebooted worker ("lost") leaves the others stopped with status 5 ("rerun the same
+    command on every process"): babysit read the 5 as a failure and gave up."""
+    env["FAKE_LOST_WORKER"] = "1"
+    before, first_command = _bring_up_and_run(env)
+    result = tpu(env, "babysit", "--", *MAIN_FLAGS)
+    assert "finished" in result.stderr
+    reruns = [c for c in calls(env)[before:] if c["kind"] == "run"]
+    assert [command_of(c["argv"]) for c in reruns] == [first_command]
+
+
+@needs_git
 def test_babysit_stops_on_a_failed_run_in_one_line(env):
     env["FAKE_MAIN_RESULT"] = "exit 1"
     before, _ = _bring_up_and_run(env)

@@ -14,7 +14,9 @@ The queued resource (QR) lives in $FAKE_GCLOUD_STATE (JSON):
             command starts main (nohup) counts a run; the run-state query (resconv-status) answers
             for $FAKE_WORKERS (2) workers: none before any run, then running, then done once
             $FAKE_DONE_AFTER_RUNS (2) runs were started; with FAKE_MAIN_RESULT="exit 1" every
-            worker reports main's exit status 1 after the first run
+            worker reports main's exit status 1 after the first run; with FAKE_LOST_WORKER=1,
+            after the first run, the last worker is lost (rebooted) and the others exited 5
+            ("stopped responding": main's status for a lost peer)
 """
 
 from __future__ import annotations
@@ -119,8 +121,15 @@ def main() -> int:
             else:
                 word = "running"
             workers = int(env.get("FAKE_WORKERS", "2"))
+            words = [word] * workers
+            if env.get("FAKE_LOST_WORKER") == "1" and qr["runs"] == 1:
+                stopped = (
+                    "exit 5 error: process 1 of 2 stopped responding (5 s without a heartbeat): "
+                    "stopping process 0; rerun the same command on every process to resume"
+                )
+                words = [stopped] * (workers - 1) + ["lost"]
             lines = ["Using ssh batch size of 1. Attempting to SSH into 1 nodes."]
-            lines += [f"resconv-status t1v-n-{i} {word}" for i in range(workers)]
+            lines += [f"resconv-status t1v-n-{i} {w}" for i, w in enumerate(words)]
             out = "\n".join(lines)
         elif kind == "logs":
             out = "[t1v-n-0] step 10 loss 1.0"

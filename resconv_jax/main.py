@@ -33,7 +33,7 @@ from resconv_jax.runtime import signals
 if __name__ == "__main__":  # until main() starts: Ctrl-C is one line, not a traceback
     signals.exit_on_interrupt()
 # Seen from the first moment: a SIGTERM during the imports below stops the run before it starts.
-# (A multi-process run hands SIGTERM back to JAX's preemption notifier once the flags are read.)
+# (In a multi-process run JAX's preemption notifier takes SIGTERM over once the processes join.)
 # Second, so that a process that handles SIGTERM handles Ctrl-C too (the tests wait for that).
 signals.install()
 # Threaded OpenBLAS inside XLA's own CPU threads slows LAPACK (the probe's QR) ~30x; set first.
@@ -275,8 +275,11 @@ def _main(argv: list[str]) -> None:
         exit_with(str(error), EXIT_BAD_INPUT)
     logging.set_verbosity(logging.WARNING)  # before jax.distributed's INFO lines
     if launch.multi_process:
-        signals.uninstall()
-        multihost.initialize(launch)
+        # SIGTERM stays ours while the processes join, then is JAX's preemption notifier's.
+        if not multihost.initialize(launch, stop=signals.requested):
+            print("SIGTERM during start-up: nothing was trained yet; rerun the same command",
+                  flush=True)  # fmt: skip
+            _exit_now(0)  # the joining thread still waits for the others
         lost_after = max(2.0, launch.heartbeat_timeout_seconds / 2)
         _watchdog = multihost.PeerWatchdog(_on_lost_process, lost_after).start()
         _quiet_stdout(print_here=jax.process_index() == 0)

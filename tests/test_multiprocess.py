@@ -440,3 +440,34 @@ def test_the_launcher_stops_the_others_when_a_later_process_fails_first():
         for child in children:
             child.kill()
             child.wait()
+
+
+@pytest.mark.slow
+def test_sigterm_while_waiting_for_the_other_processes_exits_0_with_one_line(tmp_path):
+    """SIGTERM was at its default while jax.distributed waited (up to 300 s) for the others to
+    join: the process died with status 143 and printed nothing, which babysit reads as a
+    failure."""
+    import socket
+
+    port = local.free_port()
+    command = [sys.executable, "-m", "resconv_jax.main", f"--config={TINY}",
+               f"--workdir={tmp_path / 'w'}", f"--coordinator_address=127.0.0.1:{port}",
+               "--num_processes=2", "--process_id=0"]  # fmt: skip
+    alone = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env={**os.environ, "XLA_FLAGS": ""})  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # process 0 hosts the coordinator: listening means it waits for process 1
+            assert alone.poll() is None and time.monotonic() < deadline, alone.communicate()
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.1)
+        time.sleep(1.0)  # inside the wait for the other process
+        alone.send_signal(signal.SIGTERM)
+        out, err = alone.communicate(timeout=30)
+    finally:
+        alone.kill()
+    assert alone.returncode == 0, (alone.returncode, out, err)
+    assert "SIGTERM during start-up: nothing was trained yet; rerun the same command" in out
+    assert not (tmp_path / "w").exists()

@@ -21,6 +21,7 @@ import dataclasses
 import ipaddress
 import threading
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -109,14 +110,17 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def initialize(launch: Launch) -> None:
-    """Starts `jax.distributed` for a multi-process launch (before anything touches a device).
+def initialize(launch: Launch, stop: Callable[[], bool] = lambda: False) -> bool:
+    """Starts `jax.distributed` for a multi-process launch (before anything touches a device);
+    False when `stop()` (a SIGTERM) came first, True once started (or for one process).
 
-    A loopback coordinator binds to its own address, not to every interface. On CPU the
-    cross-process collectives are gloo's.
+    It waits for every process to join (up to JAX's timeout), in a thread of its own: this one
+    keeps running Python's signal handlers meanwhile. Once started, SIGTERM is JAX's preemption
+    notifier's (installed in there). A loopback coordinator binds to its own address, not to
+    every interface. On CPU the cross-process collectives are gloo's.
     """
     if not launch.multi_process:
-        return
+        return True
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices only
     kwargs = {"heartbeat_timeout_seconds": launch.heartbeat_timeout_seconds}
     if launch.coordinator_address is not None:
@@ -128,7 +132,23 @@ def initialize(launch: Launch) -> None:
         }
         if _is_loopback(host):
             kwargs["coordinator_bind_address"] = launch.coordinator_address
-    jax.distributed.initialize(**kwargs)
+    failed: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            jax.distributed.initialize(**kwargs)
+        except BaseException as error:  # noqa: BLE001 - raised again in the caller's thread
+            failed.append(error)
+
+    joining = threading.Thread(target=start, name="jax.distributed.initialize", daemon=True)
+    joining.start()
+    while joining.is_alive():
+        if stop():
+            return False
+        joining.join(0.1)
+    if failed:
+        raise failed[0]
+    return True
 
 
 def to_host(tree):

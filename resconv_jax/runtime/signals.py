@@ -30,12 +30,6 @@ def install():
     return signal.signal(signal.SIGTERM, _on_sigterm)
 
 
-def uninstall() -> None:
-    """Gives SIGTERM back to its default (before a multi-process run hands it to JAX)."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
 def restore(previous) -> None:
     """Puts back a handler returned by `install`."""
     if previous is not None:

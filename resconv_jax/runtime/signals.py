@@ -3,9 +3,10 @@ and, for `reproduce`, a closed output pipe (`| head`) as the same request
 (`stop_when_output_closes`).
 
 `main.py` installs the handler before it imports JAX, so a SIGTERM at any point of start-up is
-seen; `train.run` installs it too (for library callers) and polls `requested()`. Single-process
-runs only: on several processes, a Python handler would hide SIGTERM from JAX's preemption
-notifier, and only the signalled process would stop (see multihost.py).
+seen; `train.run` installs it too (for library callers) and polls `requested()`. On several
+processes it serves only while they join (`multihost.initialize`): then JAX's preemption notifier
+takes SIGTERM over, and a Python handler installed after it would hide SIGTERM from it, so that
+only the signalled process would stop (`train.run` installs none there).
 """
 
 from __future__ import annotations

@@ -188,6 +188,17 @@ def validate_config(config) -> None:
     for name in ("beta", "beta_attn", "beta_ffn"):
         for value in config.sweep[name]:
             _check_beta(f"config.sweep.{name}", value)
+    for name, values in config.sweep.items():  # one run twice: counted twice by every table
+        if isinstance(values, tuple | list) and len(set(values)) < len(values):
+            raise ConfigError(f"config.sweep.{name}={tuple(values)}: a value is repeated")
+    if config.optim.lr_rule == "lambda_max" and config.sweep.lr:
+        raise ConfigError(
+            f"config.sweep.lr={tuple(config.sweep.lr)}: optim.lr_rule=lambda_max sets every run's "
+            "step size (optim.lr_factor / λ_max): leave sweep.lr empty, or use lr_rule=fixed"
+        )
+    momentum = config.optim.momentum
+    if not isinstance(momentum, int | float) or isinstance(momentum, bool) or not 0 <= momentum < 1:
+        raise ConfigError(f"config.optim.momentum={momentum!r}: must be in [0, 1)")
     if config.sweep.beta and (config.sweep.beta_attn or config.sweep.beta_ffn):
         raise ConfigError("config.sweep.beta sets both residuals: leave beta_attn/beta_ffn empty")
     log_every = config.train.log_every

@@ -34,6 +34,17 @@ from resconv_jax.errors import ConfigError
             {"data.teacher_seed": -1},
             "config.data.teacher_seed=-1: a seed is an integer in [0, 2**32)",
         ),
+        # Accepted before 2026-12-08: momentum -7 trained and "diverged" with step-size advice;
+        # a repeated value trained the same run twice, counted twice by every table and test;
+        # under lr_rule=lambda_max sweep.lr only repeated every run.
+        ({"optim.momentum": -7.0}, "config.optim.momentum=-7.0: must be in [0, 1)"),
+        ({"optim.momentum": 1.0}, "config.optim.momentum=1.0: must be in [0, 1)"),
+        ({"sweep.seed": (0, 0)}, "config.sweep.seed=(0, 0): a value is repeated"),
+        ({"sweep.beta": (0.0, 1.0, 1.0)}, "config.sweep.beta=(0.0, 1.0, 1.0): a value is repeat"),
+        (
+            {"optim.lr_rule": "lambda_max", "sweep.lr": (1e-3, 2e-3)},
+            "config.sweep.lr=(0.001, 0.002): optim.lr_rule=lambda_max sets every run's step size",
+        ),
     ],
 )
 def test_bad_values_are_refused_before_anything_is_written(tmp_path, overrides, expected):

@@ -206,6 +206,11 @@ def test_uniform_attention_with_rank_deficient_x():
         ({"rank_collapse.qk_inits": ()}, "qk_inits: empty"),
         ({"rank_collapse.seeds": ()}, "seeds: empty"),
         ({"rank_collapse.seeds": (0, -1)}, "seeds: -1 must be >= 0"),
+        # 2**32 was seed 0 again (a spread over seeds that was no spread); 10**20 and a
+        # d_QK of 10**12 were tracebacks (exit 1)
+        ({"rank_collapse.seeds": (0, 2**32)}, r"seeds: 4294967296 is not in \[0, 2\*\*32\)"),
+        ({"rank_collapse.seeds": (10**20,)}, r"seeds: 100000000000000000000 is not in \[0, 2"),
+        ({"rank_collapse.d_qk_values": (1, 10**12)}, "d_qk_values: 1000000000000 needs"),
         ({"data.dim": 0}, "config.data.dim=0: must be positive"),
         ({"data.name": "jena"}, "uses Gaussian data"),
     ],

@@ -42,9 +42,10 @@ from resconv_jax.experiments.claims import Claim
 from resconv_jax.experiments.record import ClaimCheck, Experiment, scale_variants
 from resconv_jax.finished import why_config_differs
 from resconv_jax.models import transformer
+from resconv_jax.runtime import memory
 from resconv_jax.runtime import workdir as wd
 from resconv_jax.runtime.workdir import WorkdirLock, make_folder, write_csv, write_json
-from resconv_jax.validation import check_workdir, validate_config
+from resconv_jax.validation import SEED_LIMIT, check_workdir, validate_config
 
 CSV_FILE = "rank_collapse.csv"
 SEEDS_CSV_FILE = "rank_collapse_seeds.csv"
@@ -127,7 +128,23 @@ def validate(config) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]
         raise ConfigError(f"config.rank_collapse.qk_inits={tuple(qk_inits)}: repeated values")
     d_qk_values = _check_int_list("rank_collapse.d_qk_values", section.d_qk_values, minimum=1)
     seeds = _check_int_list("rank_collapse.seeds", section.seeds, minimum=0)
+    if beyond := [s for s in seeds if s >= SEED_LIMIT]:  # jax.random.key would wrap it round
+        raise ConfigError(f"config.rank_collapse.seeds: {beyond[0]} is not in [0, 2**32)")
+    _check_fits(max(d_qk_values), len(seeds), config.data.dim)
     return tuple(qk_inits), tuple(sorted(d_qk_values)), seeds
+
+
+def _check_fits(d_qk: int, num_seeds: int, d: int) -> None:
+    """ConfigError when the blocks of the widest d_QK alone (W_Q and W_K, d × d_QK float32, for
+    every seed) cannot fit the host's memory."""
+    need = 2 * 4 * num_seeds * d * d_qk
+    have = memory.host_available_bytes()
+    if have is not None and need > have:
+        raise ConfigError(
+            f"config.rank_collapse.d_qk_values: {d_qk} needs {memory.format_bytes(need)} for W_Q "
+            f"and W_K of {num_seeds} seeds alone, more than the {memory.format_bytes(have)} of "
+            "memory available"
+        )
 
 
 def make_data(data_cfg) -> np.ndarray:

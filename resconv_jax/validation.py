@@ -122,11 +122,19 @@ def check_known_fields(config) -> None:
     reference.data = data_module(config.data.name).default_config()
     known = {field for field, _, _ in _fields(reference)}
     for field, _, _ in _fields(config):
-        if field not in known and field.split(".")[1] != config.task:
+        section = field.split(".")[1]
+        if field in known or section == config.task:
+            continue
+        if section == "data":
             raise ConfigError(
-                f"{field}: no such field (a typo?); the fields are those of resconv_jax."
-                "config_defaults.base_config() and of the data set's default_config()"
+                f"{field}: not a field of data set {config.data.name!r} (a typo, or the section "
+                f"of another data set: config.data = resconv_jax.data.{config.data.name}."
+                "default_config(), then override its values)"
             )
+        raise ConfigError(
+            f"{field}: no such field (a typo?); the fields are those of resconv_jax."
+            "config_defaults.base_config() and of the data set's default_config()"
+        )
 
 
 def validate_config(config) -> None:

@@ -212,7 +212,7 @@ def test_uniform_attention_with_rank_deficient_x():
         ({"rank_collapse.seeds": (10**20,)}, r"seeds: 100000000000000000000 is not in \[0, 2"),
         ({"rank_collapse.d_qk_values": (1, 10**12)}, "d_qk_values: 1000000000000 needs"),
         ({"data.dim": 0}, "config.data.dim=0: must be positive"),
-        ({"data.name": "jena"}, "uses Gaussian data"),
+        ({"data.name": "jena"}, "config.data.dim: not a field of data set 'jena'"),
     ],
 )
 def test_bad_config_raises_one_line_and_writes_nothing(tmp_path, overrides, expected):

@@ -80,7 +80,8 @@ def test_a_width_sweep_of_real_data_is_refused():
     from resconv_jax.errors import ConfigError
     from resconv_jax.validation import validate_config
 
-    config = tiny(**{"sweep.dim": (16,), "data.name": "jena"})
+    jena = os.path.join(os.path.dirname(__file__), "..", "configs", "jena.py")
+    config = load_config_file(jena, "tiny", **{"sweep.dim": (16,)})
     with pytest.raises(ConfigError, match="sweep.dim sweeps the width of synthetic data"):
         validate_config(config)
 

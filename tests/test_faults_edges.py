@@ -225,6 +225,7 @@ def test_the_preemption_sync_ids_are_one_sequence_for_the_whole_process(tmp_path
     monkeypatch.setattr(
         multihost_utils, "reached_preemption_sync_point", lambda i: asked.append(i) or False
     )
-    train.run(tiny(**{"sweep.num_layers": (1, 2), "optim.lr": 1e-3}), str(tmp_path))
+    steps = {"train.num_steps": 40, "train.log_every": 10}
+    train.run(tiny(**{"sweep.num_layers": (1, 2), "optim.lr": 1e-3, **steps}), str(tmp_path))
     first = asked[0]  # the process's sequence goes on from the runs before this one
     assert asked == list(range(first, first + len(asked))) and len(asked) >= 8, asked

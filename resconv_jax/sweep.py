@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 
 import numpy as np
 
@@ -77,6 +78,18 @@ def group_folder(shape: tuple[int | None, int | None]) -> str:
         [f"dim_{dim}"] if dim is not None else []
     )
     return "_".join(parts)
+
+
+_GROUP_NAME = re.compile(r"(?:layers_(\d+))?_?(?:dim_(\d+))?")
+
+
+def group_shape(name: str) -> tuple[int | None, int | None] | None:
+    """The shape whose `group_folder` is `name`, or None for any other name."""
+    match = _GROUP_NAME.fullmatch(name)
+    if not match or not name:
+        return None
+    shape = tuple(None if v is None else int(v) for v in match.groups())
+    return shape if group_folder(shape) == name else None
 
 
 def group_config(config, shape: tuple[int | None, int | None]):

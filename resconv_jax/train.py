@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import re
 import time
 
 import jax
@@ -28,12 +26,12 @@ from resconv_jax.analysis.certificate import (
     with_kernel_lrs,
 )
 from resconv_jax.analysis.summary import fit_floor, run_summaries
-from resconv_jax.config_defaults import base_config_json
 from resconv_jax.data import data_module, load_dataset
-from resconv_jax.errors import ConfigError, Preempted, TrainingDiverged
-from resconv_jax.finished import RUNS_FILE, SUMMARY_FILE, checkpoint_steps, refuse_fewer_steps
+from resconv_jax.errors import Preempted, TrainingDiverged
+from resconv_jax.finished import RUNS_FILE, SUMMARY_FILE
 from resconv_jax.loop import LoopSettings, Program, run_loop
 from resconv_jax.models import Model, RunSettings, build_model, model_module
+from resconv_jax.resumable import check_resumable, recorded_kernel_lrs
 from resconv_jax.runners import ChunkRunners, check_runs_per_chunk, compile_chunks
 from resconv_jax.runtime import multihost, signals
 from resconv_jax.runtime import workdir as wd
@@ -51,9 +49,7 @@ from resconv_jax.runtime.workdir import (
     WorkdirLock,
     WorkdirWriteError,
     atomic_open,
-    check_same_run,
     make_folder,
-    read_saved_config,
     write_json,
 )
 from resconv_jax.runtime.workdir_start import lock_on_process_0, remove_untrained_workdir
@@ -95,76 +91,6 @@ def _stop_before_training(what: str) -> None:
         raise Preempted(
             f"SIGTERM during start-up ({what}): nothing was trained yet; rerun the same command "
             "to start"
-        )
-
-
-def _saved_config(workdir: epath.Path) -> tuple[dict | None, str]:
-    """The config the workdir's run started with: config.json, else the newest checkpoint's copy.
-
-    Raises ConfigError if checkpoints exist but none of them (and no config.json) says which
-    config they belong to. Creates nothing.
-    """
-    saved = read_saved_config(workdir)
-    if saved is not None:
-        return saved, CONFIG_FILE
-    if not checkpoint_steps(workdir):
-        return None, ""
-    checkpointer = Checkpointer(workdir, every=1, keep=1, use_async=False)  # reads only
-    try:
-        steps = checkpointer.steps()
-        for step in reversed(steps):
-            meta = checkpointer.read_meta(step) or {}
-            if isinstance(meta.get("config"), dict):
-                return meta["config"], f"the checkpoint of step {step} ({CONFIG_FILE} is missing)"
-    finally:
-        checkpointer.close()
-    raise ConfigError(
-        f"{workdir / CONFIG_FILE} is missing and no checkpoint in {checkpointer.directory} holds "
-        "a copy of the config: cannot check that this config is the run's; restore config.json, "
-        "or use a new --workdir"
-    )
-
-
-def _check_resumable(config, workdir: epath.Path, *, sweep: bool = False) -> dict:
-    """`config` as JSON, once checked against the run that `workdir` holds, if any: ConfigError
-    for another config or a run past train.num_steps. `sweep`: `workdir` is the top folder of a
-    depth or width sweep, whose groups check their own config.json. Writes nothing."""
-    config_json = json.loads(config.to_json_best_effort())
-    saved, where = _saved_config(workdir)
-    if saved is not None:
-        check_same_run(workdir, saved, config_json, where, base_config_json())
-    else:
-        _refuse_other_files(workdir, sweep)
-    refuse_fewer_steps(config, [workdir])
-    return config_json
-
-
-_GROUP_FOLDER = re.compile(r"layers_\d+(_dim_\d+)?|dim_\d+")  # `group_folder`'s names
-
-
-def _refuse_other_files(workdir: epath.Path, sweep: bool) -> None:
-    """ConfigError for a folder without a run of main's (no config.json, no checkpoint) that
-    holds what a start would overwrite or mix with: a metrics.jsonl (unless, for a `sweep`,
-    beside the groups of a sweep, each with its config.json), a reproduce folder, or, for one
-    run, the groups of a sweep."""
-    if wd.is_reproduce_folder(workdir):
-        raise ConfigError(
-            f"--workdir={workdir} is a reproduce folder (REPORT.md): give main a folder of its own"
-        )
-    folders = [p for p in workdir.iterdir() if p.is_dir()] if workdir.exists() else []
-    groups = sorted(
-        p.name for p in folders if _GROUP_FOLDER.fullmatch(p.name) and (p / CONFIG_FILE).exists()
-    )
-    if groups and not sweep:
-        raise ConfigError(
-            f"--workdir={workdir} holds the runs of a sweep ({', '.join(groups)}) without its "
-            f"{CONFIG_FILE}: rerun that sweep's command (each group's {CONFIG_FILE} is checked) "
-            "or use a new --workdir"
-        )
-    if (workdir / METRICS_FILE).exists() and not groups:
-        raise ConfigError(
-            f"--workdir={workdir} holds a {METRICS_FILE} but neither {CONFIG_FILE} nor a "
-            "checkpoint, so no run this can resume; use a new --workdir, or remove the file"
         )
 
 
@@ -255,29 +181,6 @@ def _check_model_size(config, shapes: dict[str, int], groups) -> None:
 def _deepest(config) -> int:
     """The largest L that `config` trains."""
     return max(config.sweep.num_layers, default=config.model.num_layers)
-
-
-def _recorded_kernel_lrs(config, workdir: epath.Path, runs) -> tuple[list, bool]:
-    """(runs, True) with the step sizes that lr_rule=lambda_max chose at the run's first start,
-    read from its runs.json, so that a resume keeps them: computed again, on another device count
-    or microbatch size, λ_max differs in its last bits, and every metrics line and checkpoint of
-    the run would look like another run's. (runs, False) when there is no such record."""
-    if config.optim.lr_rule != "lambda_max":
-        return runs, False
-
-    def without_lr(settings: dict) -> dict:
-        return {k: v for k, v in settings.items() if k != "lr"}
-
-    try:
-        recorded = json.loads((workdir / RUNS_FILE).read_text())
-        same = [without_lr(r) for r in recorded] == [without_lr(run.settings()) for run in runs]
-    except (OSError, ValueError, TypeError, AttributeError):  # none, torn, or not a list of runs
-        return runs, False
-    if not same:
-        return runs, False
-    return [
-        dataclasses.replace(run, lr=r["lr"]) for run, r in zip(runs, recorded, strict=True)
-    ], True
 
 
 def _build(config, parts: _Parts, runs, lrs_recorded: bool = False) -> Program:
@@ -378,9 +281,9 @@ def _run_groups(config, workdir: epath.Path, dataset, groups) -> list[dict]:
     """A sweep over depths or widths: each shape's runs are one program, trained in
     WORKDIR/layers_<L> or dim_<d> (`group_folder`: checkpoints, metrics, summary; resumable on
     its own), one after another; WORKDIR gets the merged metrics.jsonl and summary.json."""
-    config_json = _check_resumable(config, workdir, sweep=True)
+    config_json = check_resumable(config, workdir, sweep=True)
     for shape, _ in groups:  # every shape's folder too, before anything is written
-        _check_resumable(group_config(config, shape), workdir / group_folder(shape))
+        check_resumable(group_config(config, shape), workdir / group_folder(shape))
     if jax.process_index() == 0:
         write_json(workdir / CONFIG_FILE, config_json)
         write_json(workdir / RUNS_FILE, [run.settings() for _, runs in groups for run in runs])
@@ -445,8 +348,8 @@ def build_program(config, dataset=None, runs=None) -> Program:
 def _run_locked(config, workdir: epath.Path, dataset, runs) -> list[dict]:
     """`run` once the workdir is locked, for `runs` of one shape: checks, restore, the step loop,
     the summary."""
-    config_json = _check_resumable(config, workdir)
-    runs, lrs_recorded = _recorded_kernel_lrs(config, workdir, runs)
+    config_json = check_resumable(config, workdir)
+    runs, lrs_recorded = recorded_kernel_lrs(config, workdir, runs)
     parts = _parts(config, dataset, runs)
     dataset = parts.dataset
     train = config.train

@@ -156,6 +156,9 @@ def counts(**values: int):
         globals().update(saved)
 
 
+OPPOSITE = {"less": "greater", "greater": "less"}  # a one-sided alternative's other direction
+
+
 @dataclasses.dataclass(frozen=True)
 class PermutationTest:
     """A stratified permutation test: the observed statistic, its p-value for `alternative`
@@ -231,7 +234,7 @@ def permutation_test(statistic, x, y, strata, *, alternative: str = "two-sided",
     def p_of(direction: str) -> float:
         return float(hits[direction] / count if exact else (hits[direction] + 1) / (count + 1))
 
-    opposite = {"less": "greater", "greater": "less"}.get(alternative)
+    opposite = OPPOSITE.get(alternative)
     p_opposite = p_of(opposite) if opposite else math.nan
     return PermutationTest(observed, p_of(alternative), count, exact, alternative, p_opposite)
 

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 
+from resconv_jax.analysis import stats
 from resconv_jax.runtime import workdir as wd
 
 HOLDS, FAILS, UNDECIDED, NOT_RUN = "holds", "fails", "undecided", "not run"
@@ -108,8 +109,7 @@ def against_text(test, interval: tuple[float, float], threshold: float, claimed:
     direction, which decides "fails") when `interval` lies against the claim, else ''."""
     if not against_claim(interval, threshold, claimed):
         return ""
-    opposite = {"less": "greater", "greater": "less"}[test.alternative]
-    return f", against the claim: {opposite} p = {test.p_opposite:.2g}"
+    return f", against the claim: {stats.OPPOSITE[test.alternative]} p = {test.p_opposite:.2g}"
 
 
 def decided(ok: bool, interval: tuple[float, float], threshold: float,

@@ -11,7 +11,6 @@ partly finished) run.
 from __future__ import annotations
 
 import os
-import re
 import sys
 
 from etils import epath
@@ -22,9 +21,7 @@ from resconv_jax.experiments import classification, conditioning, depth, descent
 from resconv_jax.runtime import workdir as wd
 from resconv_jax.runtime.metrics import METRICS_FILE, read_metrics
 from resconv_jax.runtime.workdir import CONFIG_FILE, WorkdirLock, read_saved_config
-from resconv_jax.sweep import group_folder
-
-_GROUP_FOLDER = re.compile(r"(?:layers_(\d+))?_?(?:dim_(\d+))?")
+from resconv_jax.sweep import group_shape
 
 
 def group_dirs(workdir: epath.Path) -> list[epath.Path]:
@@ -32,14 +29,9 @@ def group_dirs(workdir: epath.Path) -> list[epath.Path]:
     in order of L, then d), else []."""
     found = []
     for folder in workdir.iterdir():
-        match = _GROUP_FOLDER.fullmatch(folder.name)
-        if match and folder.name and folder.name == group_folder(_shape(match)):
-            found.append((tuple(int(v or 0) for v in match.groups()), folder))
+        if (shape := group_shape(folder.name)) is not None:
+            found.append((tuple(v or 0 for v in shape), folder))
     return [folder for _, folder in sorted(found)]
-
-
-def _shape(match) -> tuple[int | None, int | None]:
-    return tuple(None if v is None else int(v) for v in match.groups())
 
 
 def _write_one(workdir: epath.Path, config: dict, threshold: float, floor: float) -> list[str]:
